@@ -1,0 +1,34 @@
+"""Human units for what users read: bytes in KiB/MiB/GiB, durations in µs/ms/s."""
+
+from __future__ import annotations
+
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def fmt_bytes(n: float | None, signed: bool = False) -> str:
+    """`fmt_bytes(1536) == '1.5 KiB'`; None reads 'n/a'; `signed` adds '+' to growth."""
+    if n is None:
+        return "n/a"
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    value = abs(float(n))
+    unit = 0
+    while value >= 1024 and unit < len(_BYTE_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{sign}{int(value)} B"
+    return f"{sign}{value:.1f} {_BYTE_UNITS[unit]}"
+
+
+def fmt_seconds(s: float | None) -> str:
+    """`fmt_seconds(0.0123) == '12.3 ms'`; None reads 'n/a'."""
+    if s is None:
+        return "n/a"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 60:
+        return f"{s:.2f} s"
+    minutes, rest = divmod(s, 60)
+    return f"{int(minutes)} min {rest:.0f} s"

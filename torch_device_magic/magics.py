@@ -19,10 +19,12 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, observe
 
-from . import cells
+from . import cells, devices
 from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
 from .errors import DeviceMagicError
 from .hooks import CellReporter
+from .namespace import scan
+from .units import parse_bytes
 
 
 def user_errors(method: Callable) -> Callable:
@@ -52,7 +54,7 @@ def parse(magic: Callable, line: str) -> Any:
 
 @magics_class
 class TorchDeviceMagics(Magics):
-    """PyTorch device magics: %device, %%nograd and the per-cell report."""
+    """PyTorch device magics: %device, %%nograd, %tensors and the per-cell report."""
 
     set_torch_default = Bool(
         True,
@@ -168,6 +170,46 @@ class TorchDeviceMagics(Magics):
             raise DeviceMagicError(f"%%nograd takes no argument but --inference, got {args.mode!r}")
         with torch.inference_mode() if args.inference else torch.no_grad():
             return cells.run(self.shell, cell)
+
+    @magic_arguments()
+    @argument("--device", help="only names holding a tensor on this device (cuda matches cuda:N)")
+    @argument(
+        "--min-bytes",
+        default="0",
+        help="only names holding at least this much: 1048576, 1MiB or 1.5GB",
+    )
+    @argument(
+        "-o", dest="output", action="store_true", help="return the rows instead of showing them"
+    )
+    @line_magic
+    @user_errors
+    def tensors(self, line: str) -> Any:
+        """List the tensors, modules and optimizers in the namespace: a %whos for PyTorch.
+
+        In [1]: %tensors
+        tensors in the namespace (3 names)
+        name   kind            device  dtype    shape                bytes  grad
+        -----  --------------  ------  -------  ---------------  ---------  ------------
+        model  module Linear   cuda:0  float32  1.0M params        4.0 MiB  grad 4.0 MiB
+        opt    optimizer Adam  cuda:0  float32  2 param tensors    8.0 MiB
+        x      tensor          cpu     float32  (64, 1024)       256.0 KiB
+        total: cpu 256.0 KiB, cuda:0 16.0 MiB (shared storage counted once, gradients included)
+
+        A row's bytes are the storages the name keeps alive (a view counts its
+        whole base); a module's are its parameters and buffers, an optimizer's
+        its state. Totals per device count shared storage once. Warnings name a
+        module whose parameters span devices and an optimizer whose state is on
+        another device than its parameters. `-o` returns the rows (TensorRow).
+        """
+        args = parse(self.tensors, line)
+        device = None if args.device is None else devices.parse(args.device)
+        report = scan(
+            self.shell.user_ns, self.shell.user_ns_hidden, device, parse_bytes(args.min_bytes)
+        )
+        if args.output:
+            return report.rows
+        display(report)
+        return None
 
     def _set_nograd(self, on: bool) -> None:
         if on:

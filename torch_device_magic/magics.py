@@ -22,6 +22,7 @@ from traitlets import Bool, observe
 from . import cells, devices
 from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
 from .errors import DeviceMagicError
+from .gpufree import free_memory
 from .hooks import CellReporter
 from .namespace import scan
 from .units import parse_bytes
@@ -54,7 +55,7 @@ def parse(magic: Callable, line: str) -> Any:
 
 @magics_class
 class TorchDeviceMagics(Magics):
-    """PyTorch device magics: %device, %%nograd, %tensors and the per-cell report."""
+    """PyTorch device magics: %device, %%nograd, %tensors, %gpufree and the per-cell report."""
 
     set_torch_default = Bool(
         True,
@@ -211,6 +212,24 @@ class TorchDeviceMagics(Magics):
             return report.rows
         display(report)
         return None
+
+    @magic_arguments()
+    @line_magic
+    @user_errors
+    def gpufree(self, line: str) -> None:
+        """Collect garbage and empty the accelerators' allocator cache; say how much came back.
+
+        In [1]: del activations
+        In [2]: %gpufree
+        garbage collected (1,204 objects); cuda:0: 6.0 GiB came back (cached 8.1 GiB → 2.1 GiB,
+        in tensors 2.0 GiB → 2.0 GiB)
+
+        Only accelerators already in use are touched (no CUDA context is created).
+        Memory held by live tensors stays: `del` them first (%tensors lists them).
+        On a machine without one it collects garbage and says so.
+        """
+        parse(self.gpufree, line)
+        print(free_memory())
 
     def _set_nograd(self, on: bool) -> None:
         if on:

@@ -97,11 +97,11 @@ def _out_of_memory(error: BaseException, namespace: dict[str, object]) -> str:
     if rows:
         largest = ", ".join(f"{r.name} {fmt_bytes(r.nbytes)} ({r.device})" for r in rows[:3])
         lines.append(f"  Largest in the namespace: {largest} (see %tensors)")
-    lines.append(
-        "  To get memory back: del what you no longer need, then %gpufree. Smaller batches, "
-        "%%nograd for inference, or half precision need less."
-    )
-    lines.append("  The traceback's frames were cleared so that their tensors can be freed.")
+    lines += [
+        "  To get memory back: del what you no longer need, then %gpufree.",
+        "  Smaller batches, %%nograd for inference, or half precision need less.",
+        "  The traceback's frames were cleared so that their tensors can be freed.",
+    ]
     return "\n".join(lines)
 
 

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torch_device_magic.moving import cell_names, move  # noqa: E402
-from torch_device_magic.reports import Table  # noqa: E402
-from torch_device_magic.units import fmt_seconds  # noqa: E402
+from torch_device_magic.moving import cell_names, move
+from torch_device_magic.reports import Table
+from torch_device_magic.units import fmt_seconds
 
 META = torch.device("meta")
 CELL = "y = x * 2\ny.sum()"

@@ -108,6 +108,7 @@ class _Undo:
     rebound: dict[int, Tensor] = field(default_factory=dict)
     grads: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     optimizer_state: list[tuple[torch.optim.Optimizer, dict]] = field(default_factory=list)
+    values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 def move(
@@ -123,7 +124,7 @@ def move(
         undo = _Undo(names, {}, plan.module_home)
         if device.type == "meta":  # nothing comes back from meta: keep the originals
             undo.originals, undo.grads = [], list(plan.grads)
-            undo.optimizer_state = plan.optimizer_snapshots()
+            undo.optimizer_state, undo.values = plan.optimizer_snapshots()
     return _execute(plan, ns, device, undo)
 
 
@@ -244,17 +245,18 @@ class _Plan:
         """The bytes each group's copy will take."""
         return [g[0].nbytes if len(g) == 1 else _span(g)[1] for g in self.groups.values()]
 
-    def optimizer_snapshots(self) -> list[tuple[torch.optim.Optimizer, dict]]:
-        """Each walked optimizer's state as it is now; tensors that stay put are cloned."""
-        moving = {id(t) for group in self.groups.values() for t in group}
-
-        def keep(v: object) -> object:
-            return v.clone() if isinstance(v, Tensor) and id(v) not in moving else v
-
-        return [
-            (opt, {p: {k: keep(v) for k, v in s.items()} for p, s in opt.state.items()})
-            for opt in self.optimizers
+    def optimizer_snapshots(self) -> tuple[list, list[tuple[Tensor, Tensor]]]:
+        """Each walked optimizer's state mapping, and the values of its tensors that stay
+        put (the `step` counters a cell on meta still advances)."""
+        mappings = [(opt, {p: dict(s) for p, s in opt.state.items()}) for opt in self.optimizers]
+        values = [
+            (v, v.clone())
+            for _, state in mappings
+            for s in state.values()
+            for v in s.values()
+            if isinstance(v, Tensor) and id(v) not in self.where
         ]
+        return mappings, values
 
 
 def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
@@ -521,6 +523,9 @@ def _put_back_originals(ns: dict, moved: MoveResult, start: float) -> MoveResult
     for opt, state in undo.optimizer_state:
         opt.state.clear()
         opt.state.update({p: dict(s) for p, s in state.items()})
+    with torch.no_grad():
+        for t, value in undo.values:
+            t.copy_(value)
     notes = [f"a tensor of {fmt_bytes(t.nbytes)}: put back as a new tensor" for t, _ in refused]
     return MoveResult(
         next(iter(undo.home.values()), torch.device("cpu")),

@@ -363,9 +363,10 @@ def test_a_base_whose_unnamed_view_holds_it_is_replaced_and_reported():
 class FailOnAllocation(TorchDispatchMode):
     """Raise OutOfMemoryError at the n-th tensor created on `device` (0: never); count them."""
 
-    def __init__(self, device: torch.device, n: int) -> None:
+    def __init__(self, device: torch.device, n: int, error: BaseException | None = None) -> None:
         super().__init__()
         self.device, self.n, self.count = device, n, 0
+        self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -374,7 +375,7 @@ class FailOnAllocation(TorchDispatchMode):
             self.count += 1
             if self.count == self.n:
                 del out
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+                raise self.error
         return out
 
 
@@ -413,9 +414,23 @@ def test_a_failing_copy_changes_nothing_and_names_what_failed(n):
     assert "to meta: out of memory" in message and " B)" in message
     assert info.value.__cause__ is None and info.value.__context__ is None
     assert_unchanged(ns, before)
+    assert not live_meta_tensors()
+
+
+def live_meta_tensors() -> list:
     gc.collect()
     tensor_types = (torch.Tensor, torch.nn.Parameter)
-    assert not [o for o in gc.get_objects() if type(o) in tensor_types and o.is_meta]
+    return [o for o in gc.get_objects() if type(o) in tensor_types and o.is_meta]
+
+
+def test_an_interrupted_move_changes_nothing_and_its_traceback_holds_no_copies():
+    ns = workload()
+    before = snapshot(ns)
+    with pytest.raises(KeyboardInterrupt) as info, FailOnAllocation(META, 3, KeyboardInterrupt()):
+        moved_all(ns, META)
+    assert info.tb is not None  # the frames are still alive here
+    assert_unchanged(ns, before)
+    assert not live_meta_tensors()
 
 
 def test_the_error_names_the_object_and_its_size():

@@ -34,6 +34,7 @@ import ast
 import dataclasses
 import gc
 import time
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from weakref import getweakrefcount
@@ -299,38 +300,39 @@ def _copy_all(plan: _Plan, group_bytes: list[int]) -> list[tuple[Tensor, Tensor]
     bar = _progress_bar(sum(group_bytes), _first_target(plan))
     group: list[Tensor] = []
     target = None
-    done = False
     try:
         with torch.no_grad():
             for group, target, n in zip(
                 plan.groups.values(), plan.targets, group_bytes, strict=True
             ):
-                if len(group) == 1:  # the common case, kept lean
-                    t = group[0]
-                    new = t.to(target)
-                    if t.requires_grad and t.is_leaf:
-                        new.requires_grad_(True)
-                    pairs.append((t, new))
-                else:
-                    _copy_shared(group, target, pairs)
+                _copy_group(group, target, pairs)
                 if bar is not None:
                     bar.update(n)
-        done = True
         return pairs
-    except Exception as exc:  # out of memory, a dtype the device lacks, data-less meta
-        return _failure(plan, group, target, exc)
+    except BaseException as exc:
+        pairs.clear()
+        traceback.clear_frames(exc.__traceback__)  # the frames below hold copies too
+        gc.collect()
+        if target is not None:
+            _empty_cache(target)
+        if not isinstance(exc, Exception):
+            raise  # an interrupt goes on, holding no copies
+        return _failure(plan, group, target, exc)  # out of memory, a dtype, data-less meta
     finally:
         if bar is not None:
             bar.close()
-        if not done:
-            pairs.clear()
-            gc.collect()
-            if target is not None:
-                _empty_cache(target)
 
 
-def _copy_shared(group: list[Tensor], target: torch.device, pairs: list) -> None:
-    """Copy the span of storage that tensors share once, and rebuild each tensor on the copy."""
+def _copy_group(group: list[Tensor], target: torch.device, pairs: list) -> None:
+    """Copy one storage's tensors to `target`: a lone tensor directly, a shared storage's
+    span once, with each tensor rebuilt on the copy at its own offset."""
+    if len(group) == 1:
+        t = group[0]
+        new = t.to(target)
+        if t.requires_grad and t.is_leaf:
+            new.requires_grad_(True)
+        pairs.append((t, new))
+        return
     lo, n = _span(group)
     first = group[0]
     src = torch.empty(0, dtype=torch.uint8, device=first.device)

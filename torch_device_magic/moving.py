@@ -391,7 +391,7 @@ def _commit(
     notes: list[str] = []
     replaced: dict[int, Tensor] = {}
     for t, new in pending:
-        why = _swap_refusal(t)
+        why = _swap_refusal(t) or "torch refused to swap it"
         if torch._has_compatible_shallow_copy_type(t, new):
             t.data = new
             notes.append(
@@ -422,16 +422,23 @@ def _swap_all(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]
     while pending:
         refused = []
         for t, new in pending:
-            if _swap_impl is not None and not getweakrefcount(t) and t._use_count() == 1:
-                _swap_impl(t, new)  # `new` now holds the old tensor
-            else:
-                refused.append((t, new))
+            if _swap_refusal(t) is None and _swapped(t, new):
+                continue  # `new` now holds the old tensor
+            refused.append((t, new))
         progress = len(refused) < len(pending)
         pending.clear()
         pending = refused
         if not progress:
             break
     return pending
+
+
+def _swapped(t: Tensor, new: Tensor) -> bool:
+    try:
+        _swap_impl(t, new)
+    except RuntimeError:  # a C++ weak reference to it
+        return False
+    return True
 
 
 def _swap_refusal(t: Tensor) -> str | None:
@@ -528,7 +535,11 @@ def _put_back_originals(ns: dict, moved: MoveResult, start: float) -> MoveResult
     with torch.no_grad():
         for t, value in undo.values:
             t.copy_(value)
-    notes = [f"a tensor of {fmt_bytes(t.nbytes)}: put back as a new tensor" for t, _ in refused]
+    notes = [
+        f"a tensor of {fmt_bytes(t.nbytes)} came back as a new object: "
+        f"{_swap_refusal(t) or 'torch refused to swap it'}"
+        for t, _ in refused
+    ]
     return MoveResult(
         next(iter(undo.home.values()), torch.device("cpu")),
         dict(moved.names),

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import collections
 import copy
-import gc
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from faults import FailOnAllocation
 
 from torch_device_magic import moving
 from torch_device_magic.errors import DeviceMagicError
@@ -360,25 +359,6 @@ def test_a_base_whose_unnamed_view_holds_it_is_replaced_and_reported():
 # --- all or nothing -----------------------------------------------------------------------
 
 
-class FailOnAllocation(TorchDispatchMode):
-    """Raise OutOfMemoryError at the n-th tensor created on `device` (0: never); count them."""
-
-    def __init__(self, device: torch.device, n: int, error: BaseException | None = None) -> None:
-        super().__init__()
-        self.device, self.n, self.count = device, n, 0
-        self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inplace = func._schema.name.endswith("_")
-        if isinstance(out, torch.Tensor) and out.device == self.device and not inplace:
-            self.count += 1
-            if self.count == self.n:
-                del out
-                raise self.error
-        return out
-
-
 def workload() -> dict:
     model, opt = trained()
     base = torch.arange(8.0)
@@ -407,30 +387,25 @@ def test_a_failing_copy_changes_nothing_and_names_what_failed(n):
         n = allocations()
     ns = workload()
     before = snapshot(ns)
-    with pytest.raises(DeviceMagicError) as info, FailOnAllocation(META, n):
+    with pytest.raises(DeviceMagicError) as info, FailOnAllocation(META, n) as faults:
         moved_all(ns, META)
     message = str(info.value)
     assert message.startswith("Could not move ") and message.endswith("nothing was moved.")
     assert "to meta: out of memory" in message and " B)" in message
     assert info.value.__cause__ is None and info.value.__context__ is None
     assert_unchanged(ns, before)
-    assert not live_meta_tensors()
-
-
-def live_meta_tensors() -> list:
-    gc.collect()
-    tensor_types = (torch.Tensor, torch.nn.Parameter)
-    return [o for o in gc.get_objects() if type(o) in tensor_types and o.is_meta]
+    assert faults.made and not faults.alive()  # the copies made are freed
 
 
 def test_an_interrupted_move_changes_nothing_and_its_traceback_holds_no_copies():
     ns = workload()
     before = snapshot(ns)
-    with pytest.raises(KeyboardInterrupt) as info, FailOnAllocation(META, 3, KeyboardInterrupt()):
+    interrupt = FailOnAllocation(META, 3, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt) as info, interrupt:
         moved_all(ns, META)
     assert info.tb is not None  # the frames are still alive here
     assert_unchanged(ns, before)
-    assert not live_meta_tensors()
+    assert interrupt.made and not interrupt.alive()
 
 
 def test_the_error_names_the_object_and_its_size():

@@ -52,6 +52,7 @@ _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a pro
 _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
 _OOM = getattr(torch, "OutOfMemoryError", ())
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 
 # Where a tensor was found, formatted only when a message needs it:
 # a root name, or (parent, key, is_attribute).
@@ -181,15 +182,12 @@ class _Plan:
                 self._module(obj, where, inherited)
             elif isinstance(obj, torch.optim.Optimizer):
                 self._optimizer(obj, where, inherited)
-            elif isinstance(obj, dict):
-                for k, v in obj.items():
+            elif isinstance(obj, (dict, list, tuple)):
+                for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
                     if isinstance(v, Tensor):
                         self._tensor(v, (where, k, False), inherited)
-                    else:
+                    elif type(v) not in _SCALARS:  # a list of a million ints stays cheap
                         stack.append((v, (where, k, False), inherited))
-            elif isinstance(obj, (list, tuple)):
-                for k, v in enumerate(obj):
-                    stack.append((v, (where, k, False), inherited))
             elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
                 for f in dataclasses.fields(obj):
                     stack.append((getattr(obj, f.name, None), (where, f.name, True), inherited))

@@ -104,7 +104,7 @@ def test_without_a_device_the_session_device_is_used(ip, ns):
 
 
 def test_device_move_moves_everything_and_sets_the_session_device(ip, ns, capsys):
-    ip.run_cell("%device meta --move")
+    ip.run_cell("%device --move meta")
     assert capsys.readouterr().out.startswith("device = meta\nmoved ")
     assert ns["device"] == META and ns["bystander"].device == META
     assert ns["opt"].state[ns["model"].weight]["exp_avg"].device == META

@@ -145,6 +145,17 @@ class TorchDeviceMagics(Magics):
         """The device `spec` names on this machine, and the line that says what it is."""
         return resolve(spec, take_inventory(probe_cuda_runtime=spec.startswith("cuda")))
 
+    def _cell_device(self, spec: str | None) -> torch.device:
+        """The device `%%ondevice` runs on: the one named, else the session device."""
+        if spec is not None:
+            return self._resolve(spec)[0]
+        if self.session_device is None:
+            raise DeviceMagicError(
+                "%%ondevice needs a device: name one (%%ondevice cuda) or set the session "
+                "device with %device"
+            )
+        return self.session_device
+
     def _all_names(self) -> list[str]:
         """The user's names: not IPython's own (In, Out, _i3, _) nor hidden ones."""
         hidden = self.shell.user_ns_hidden
@@ -212,15 +223,7 @@ class TorchDeviceMagics(Magics):
                 "%ondevice is a cell magic: put %%ondevice DEV on the first line of the cell"
             )
         args = parse(self.ondevice, line)
-        if args.spec is not None:
-            dev = self._resolve(args.spec)[0]
-        elif self.session_device is not None:
-            dev = self.session_device
-        else:
-            raise DeviceMagicError(
-                "%%ondevice needs a device: name one (%%ondevice cuda) or set the session "
-                "device with %device"
-            )
+        dev = self._cell_device(args.spec)
         if args.all:
             names = self._all_names()
         else:

@@ -245,8 +245,8 @@ class _Plan:
         return [g[0].nbytes if len(g) == 1 else _span(g)[1] for g in self.groups.values()]
 
     def optimizer_snapshots(self) -> tuple[list, list[tuple[Tensor, Tensor]]]:
-        """Each walked optimizer's state mapping, and the values of its tensors that stay
-        put (the `step` counters a cell on meta still advances)."""
+        """Each walked optimizer's state mapping, and a copy of its tensors that stay put."""
+        # A cell on meta still advances the `step` counters left on the CPU.
         mappings = [(opt, {p: dict(s) for p, s in opt.state.items()}) for opt in self.optimizers]
         values = [
             (v, v.clone())
@@ -322,8 +322,9 @@ def _copy_all(plan: _Plan, group_bytes: list[int]) -> list[tuple[Tensor, Tensor]
 
 
 def _copy_group(group: list[Tensor], target: torch.device, pairs: list) -> None:
-    """Copy one storage's tensors to `target`: a lone tensor directly, a shared storage's
-    span once, with each tensor rebuilt on the copy at its own offset."""
+    """Copy one storage's tensors to `target`, appending (tensor, copy) to `pairs`."""
+    # A lone tensor is copied directly; tensors sharing a storage as one span of
+    # bytes, on which each is rebuilt at its own offset, so they still share it.
     if len(group) == 1:
         t = group[0]
         new = t.to(target)

@@ -11,14 +11,14 @@ Loading imports nothing from CUDA and creates no CUDA context.
 __version__ = "0.1.0"
 
 
-def load_ipython_extension(ip) -> None:  # noqa: ANN001 - IPython passes its shell
+def load_ipython_extension(ip) -> None:
     """Called by `%load_ext torch_device_magic`."""
     from .magics import load
 
     load(ip)
 
 
-def unload_ipython_extension(ip) -> None:  # noqa: ANN001
+def unload_ipython_extension(ip) -> None:
     """Called by `%unload_ext torch_device_magic` (and by `%reload_ext`)."""
     from .magics import unload
 

@@ -57,7 +57,7 @@ class Table:
     def __str__(self) -> str:
         return self.text()
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:  # noqa: ANN001
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}
 
 

@@ -1,0 +1,44 @@
+"""Fixtures: a fresh IPython shell per test whose `run_cell` re-raises (as jupysql does)."""
+
+from __future__ import annotations
+
+import IPython
+import pytest
+import torch
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+import torch_device_magic
+
+
+class RaisingShell(InteractiveShell):
+    """An InteractiveShell whose run_cell raises the cell's error instead of printing it."""
+
+    def run_cell(self, raw_cell, *args, **kwargs):
+        result = super().run_cell(raw_cell, *args, **kwargs)
+        result.raise_error()
+        return result
+
+
+@pytest.fixture
+def shell():
+    """A fresh shell, not yet loaded with the extension."""
+    RaisingShell.clear_instance()
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    ip = RaisingShell.instance(config=config)
+    ip.run_line_magic("colors", "nocolor" if IPython.version_info[0] >= 9 else "NoColor")
+    ip.run_cell("import torch")
+    grad, default = torch.is_grad_enabled(), torch_device_magic.devices.torch_default_device()
+    yield ip
+    torch_device_magic.unload_ipython_extension(ip)
+    RaisingShell.clear_instance()
+    torch.set_grad_enabled(grad)
+    torch.set_default_device(default)
+
+
+@pytest.fixture
+def ip(shell):
+    """A fresh shell with the extension loaded."""
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    return shell

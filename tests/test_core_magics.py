@@ -1,0 +1,183 @@
+"""%device, %%nograd and the cell runner, through a fresh shell that re-raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic.devices import torch_default_device
+
+
+def state(ip):
+    """What a bad input must leave exactly as it was."""
+    ns = {k: v for k, v in ip.user_ns.items() if not k.startswith("_")}
+    return ns, torch.is_grad_enabled(), torch_default_device()
+
+
+def test_device_meta_binds_device_and_new_tensors_land_there(ip, capsys):
+    ip.run_cell("%device meta")
+    assert capsys.readouterr().out.splitlines()[0] == "device = meta"
+    assert ip.user_ns["device"] == torch.device("meta")
+    ip.run_cell("import torch; x = torch.zeros(3); layer = torch.nn.Linear(2, 2)")
+    assert ip.user_ns["x"].device.type == "meta"
+    assert ip.user_ns["layer"].weight.device.type == "meta"
+
+
+def test_device_reset_returns_to_the_cpu(ip):
+    ip.run_cell("%device meta")
+    ip.run_cell("%device reset")
+    assert ip.user_ns["device"] == torch.device("cpu")
+    assert torch_default_device() is None
+    assert torch.zeros(1).device.type == "cpu"
+
+
+def test_torch_default_can_be_switched_off(ip):
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = False")
+    ip.run_cell("%device meta")
+    assert ip.user_ns["device"] == torch.device("meta")
+    assert torch.zeros(1).device.type == "cpu"
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = True")
+    assert torch.zeros(1).device.type == "meta"
+
+
+def test_auto_on_a_cpu_machine_says_so(ip, capsys):
+    if torch.cuda.is_available() or torch.backends.mps.is_available():
+        pytest.skip("this machine has an accelerator")
+    ip.run_cell("%device auto")
+    out = capsys.readouterr().out.splitlines()[0]
+    assert out.startswith("device = no GPU available") and out.endswith("using the CPU")
+    assert ip.user_ns["device"] == torch.device("cpu")
+
+
+def test_bare_device_shows_a_table_with_the_cpu(ip, capsys):
+    ip.run_cell("%device meta")
+    capsys.readouterr()
+    ip.run_cell("%device")
+    out = capsys.readouterr().out
+    assert "session device: meta" in out
+    assert any(line.split()[:1] == ["cpu"] for line in out.splitlines())
+    assert "memory used / total" in out
+
+
+BAD_DEVICE_LINES = [
+    ("%device banana", "'banana' is not a device"),
+    ("%device cuda:-1", "'cuda:-1' is not a device"),
+    ("%device cpu cuda", "%device: unrecognized arguments: cuda"),
+    ("%device --bogus", "%device: unrecognized arguments: --bogus"),
+    ("%%nograd --bogus\nx = 1", "%nograd: unrecognized arguments: --bogus"),
+    ("%nograd maybe", "%nograd takes 'on' or 'off'"),
+    ("%%nograd on\nx = 1", "%%nograd takes no argument but --inference"),
+]
+if not torch.cuda.is_available():
+    BAD_DEVICE_LINES += [
+        ("%device cuda", "cuda is not available"),
+        ("%device cuda:7", "cuda:7 is not available"),
+    ]
+
+
+@pytest.mark.parametrize(("line", "message"), BAD_DEVICE_LINES)
+def test_bad_input_is_one_usage_error_and_changes_nothing(ip, line, message):
+    ip.run_cell("%device meta")
+    ip.run_cell("w = torch.ones(2, requires_grad=True)")
+    before = state(ip)
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+    assert state(ip) == before
+
+
+def test_usage_error_prints_without_a_traceback(shell, capsys):
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    result = super(type(shell), shell).run_cell("%device banana")
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert result.error_in_exec is not None
+    assert "UsageError: 'banana' is not a device" in text
+    assert "Traceback" not in text
+
+
+def test_nograd_cell_runs_without_autograd_and_restores(ip):
+    ip.run_cell("w = torch.ones(2, requires_grad=True)")
+    ip.run_cell("%%nograd\ny = w * 2\ninside = torch.is_grad_enabled()")
+    assert ip.user_ns["inside"] is False
+    assert ip.user_ns["y"].requires_grad is False
+    assert torch.is_grad_enabled()
+
+
+def test_nograd_inference_mode(ip):
+    ip.run_cell("%%nograd --inference\ny = torch.ones(2) * 2\ninside = torch.is_inference_mode_enabled()")
+    assert ip.user_ns["inside"] is True
+    assert ip.user_ns["y"].is_inference()
+    assert not torch.is_inference_mode_enabled()
+
+
+@pytest.mark.parametrize("error", ["ZeroDivisionError", "KeyboardInterrupt"])
+def test_grad_mode_comes_back_after_an_exception(ip, error):
+    with pytest.raises(BaseException) as err:
+        ip.run_cell(f"%%nograd\nx = 1\nraise {error}()")
+    assert type(err.value).__name__ == error
+    assert torch.is_grad_enabled()
+
+
+def test_nograd_line_form_toggles_later_cells(ip):
+    ip.run_cell("%nograd on")
+    ip.run_cell("a = torch.is_grad_enabled()")
+    ip.run_cell("%nograd off")
+    ip.run_cell("b = torch.is_grad_enabled()")
+    assert (ip.user_ns["a"], ip.user_ns["b"]) == (False, True)
+
+
+def test_unload_restores_default_device_and_grad_mode(ip):
+    ip.run_cell("%device meta")
+    ip.run_cell("%nograd on")
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert torch.is_grad_enabled()
+    assert torch_default_device() is None
+    assert "device" not in ip.magics_manager.magics["line"]
+    assert "nograd" not in ip.magics_manager.magics["cell"]
+
+
+def test_last_expression_is_out_and_semicolon_silences_it(ip):
+    ip.run_cell("%%nograd\nx = 20\nx + 22", store_history=True)
+    assert ip.user_ns["_"] == 42
+    n = ip.execution_count - 1
+    assert ip.user_ns["Out"][n] == 42
+    ip.run_cell("%%nograd\n7 * 6;", store_history=True)
+    assert ip.execution_count - 1 not in ip.user_ns["Out"]
+
+
+def test_traceback_points_at_the_cells_own_line(shell, capsys):
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    n = shell.execution_count
+    super(type(shell), shell).run_cell("%%nograd\nx = 1\ny = 2\n1 / 0\n", store_history=True)
+    out = capsys.readouterr().out
+    assert "ZeroDivisionError" in out
+    assert f"In[{n}], line 3" in out or f"<ipython-input-{n}-" in out
+    assert "1 / 0" in out
+
+
+def test_shell_escapes_and_nested_magics_work(ip):
+    ip.run_cell("%%nograd\nfiles = !echo hello\n%device meta\nz = torch.zeros(1)")
+    assert list(ip.user_ns["files"]) == ["hello"]
+    assert ip.user_ns["z"].device.type == "meta"
+
+
+def test_reload_leaves_exactly_one_set_of_hooks(ip):
+    def ours():
+        from torch_device_magic.hooks import is_ours
+
+        return sum(
+            is_ours(cb) for event in ("pre_run_cell", "post_run_cell")
+            for cb in ip.events.callbacks[event]
+        )
+
+    assert ours() == 2
+    for _ in range(20):
+        ip.run_line_magic("reload_ext", "torch_device_magic")
+    assert ours() == 2
+    ip.run_cell("x = 1")
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert ours() == 0

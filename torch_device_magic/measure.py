@@ -22,7 +22,7 @@ from .probes import Accelerator, Counters, HostProbe, active_accelerator, clock,
 from .units import fmt_bytes, fmt_seconds
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Measurement:
     """What one cell did to time and memory; a field that could not be measured is None."""
 
@@ -76,7 +76,7 @@ class Measurement:
     def __str__(self) -> str:
         return " | ".join(self.parts())
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:  # noqa: ANN001
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         body = " &middot; ".join(html.escape(p) for p in self.parts())
         return {
             "text/plain": str(self),
@@ -130,7 +130,7 @@ class Meter:
         else:
             before = self._before
             sampled = accel.sampled_peak_bytes()
-            peak = sampled if sampled is not None else _sub(after.peak_bytes, before.allocated_bytes)
+            peak = _sub(after.peak_bytes, before.allocated_bytes) if sampled is None else sampled
         work_ran = after.allocations is None or after.allocations != before.allocations
         return Measurement(
             wall_s,

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .devices import torch_default_device
+
 clock = time.perf_counter
 """The wall clock every measurement uses (monotonic, sub-microsecond)."""
 
@@ -228,7 +230,8 @@ class Accelerator:
         self.kind = kind
         self.index = index
         self._module = getattr(torch, kind)
-        self._mps_peak = PeakSampler(self._module.current_allocated_memory) if kind == "mps" else None
+        mps = kind == "mps"
+        self._mps_peak = PeakSampler(self._module.current_allocated_memory) if mps else None
 
     @property
     def name(self) -> str:
@@ -322,7 +325,7 @@ def active_accelerator(device: str | torch.device | None = None) -> Accelerator 
         kind = next((k for k in ACCELERATOR_TYPES if runtime_up(k)), None)
         if kind is None:
             return None
-        default = guarded(torch.get_default_device) if hasattr(torch, "get_default_device") else None
+        default = torch_default_device()
         dev = default if default is not None and default.type == kind else torch.device(kind)
         return _accelerator(kind, _index(dev))
     except Exception:

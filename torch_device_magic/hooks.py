@@ -22,6 +22,7 @@ from typing import Any
 
 from .history import History
 from .measure import Measurement, Meter
+from .units import fmt_bytes, fmt_seconds
 
 EVENTS = ("pre_run_cell", "post_run_cell")
 HISTORY_SIZE = 1000
@@ -76,6 +77,18 @@ class CellReporter:
         if self._meter is not None:
             self._meter.close()
         self._meter = self._shell = self._info = None
+
+    def status(self) -> str:
+        """One line: on or off, the thresholds, synchronisation, the history's size."""
+        limits = [f"at least {fmt_seconds(self.min_seconds)}"] if self.min_seconds else []
+        if self.min_bytes:
+            limits.append(f"at least {fmt_bytes(self.min_bytes)}")
+        shown = f"cells reaching {' or '.join(limits)}" if limits else "every cell"
+        return (
+            f"per-cell report: {'on' if self.registered else 'off'} ({shown}; "
+            f"synchronise: {'on' if self.sync else 'off'}); "
+            f"{len(self.history)} cells in the history (%devhistory)"
+        )
 
     def adopt(self, measurement: Measurement) -> None:
         """Take `measurement` (from %%gpumem) as this cell's record, and show nothing more."""

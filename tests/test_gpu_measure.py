@@ -1,4 +1,4 @@
-"""The report and %%gpumem on a real CUDA GPU: synchronised times, exact device peaks, no context."""
+"""The report and %%gpumem on a CUDA GPU: synchronised times, exact device peaks, no context."""
 
 from __future__ import annotations
 

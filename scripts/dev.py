@@ -52,7 +52,7 @@ def ensure_env(name: str) -> Path:
     print(f"setting up {env.name} ({name} IPython) ...", flush=True)
     if not py.exists():
         venv.create(env, with_pip=True)
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [py, "-m", "pip", "install", "-qq", "--disable-pip-version-check"]
     index = os.environ.get("TORCH_INDEX_URL")
     torch_cmd = [*pip, TORCH_SPEC] + (["--index-url", index] if index else [])
     if _run(torch_cmd) or _run([*pip, "-e", ".[test,plot]", *pins]):

@@ -108,7 +108,9 @@ def test_nograd_cell_runs_without_autograd_and_restores(ip):
 
 
 def test_nograd_inference_mode(ip):
-    ip.run_cell("%%nograd --inference\ny = torch.ones(2) * 2\ninside = torch.is_inference_mode_enabled()")
+    ip.run_cell(
+        "%%nograd --inference\ny = torch.ones(2) * 2\ninside = torch.is_inference_mode_enabled()"
+    )
     assert ip.user_ns["inside"] is True
     assert ip.user_ns["y"].is_inference()
     assert not torch.is_inference_mode_enabled()

@@ -233,3 +233,19 @@ def test_cpu_build_never_asks_torch_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", spy)
     assert probes.runtime_up("cuda") is False
     assert probes.active_accelerator() is None
+
+
+def test_a_stale_getrusage_mark_is_not_taken_for_a_peak(monkeypatch):
+    """getrusage keeps an exited thread's mark forever; VmHWM decides then."""
+    try:
+        probe = ProcHighWater()
+    except OSError:
+        pytest.skip("/proc refuses the reset here")
+    stale = types.SimpleNamespace(ru_maxrss=2**40 // 1024)
+    monkeypatch.setattr(probes.resource, "getrusage", lambda who: stale)
+    probe.start()
+    kept = allocate(1 * MiB)
+    delta, peak = probe.stop()
+    probe.close()
+    del kept
+    assert peak < 8 * MiB and delta < 8 * MiB

@@ -137,7 +137,7 @@ def test_hidden_cells_are_not_formatted(ip, capsys, monkeypatch):
     def formatting(self):
         raise AssertionError("formatted a hidden cell")
 
-    monkeypatch.setattr(Measurement, "parts", formatting)
+    monkeypatch.setattr(Measurement, "summary", formatting)
     run(ip, "d = 4")
     out = capsys.readouterr()
     assert "formatted" not in out.out + out.err

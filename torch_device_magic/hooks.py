@@ -10,7 +10,9 @@ cell fire `post_run_cell` without `pre_run_cell`.
 
 The cost per cell is what the measurement needs and no more. Below the
 thresholds nothing is formatted. The line goes to the frontend as one MIME
-bundle through the display publisher, without IPython's formatter machinery.
+bundle (text and HTML) through the display publisher, without IPython's
+formatter machinery; where that publisher is IPython's own terminal one, which
+would print the text and nothing else, the text is printed directly.
 A fault in a probe reads `n/a` in the line; a fault anywhere else is one line
 saying so, never a traceback in the user's cell.
 """
@@ -18,7 +20,10 @@ saying so, never a traceback in the user's cell.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
+
+from IPython.core.displaypub import DisplayPublisher
 
 from .history import History
 from .measure import Measurement, Meter
@@ -119,7 +124,7 @@ class CellReporter:
         record.cell = cell
         self.history.append(record)
         if adopted is None and self.shows(record):
-            self._publish(record._repr_mimebundle_())
+            self._show(record)
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""
@@ -129,6 +134,17 @@ class CellReporter:
             (self.min_seconds and record.wall_s >= self.min_seconds)
             or (self.min_bytes and record.largest_bytes() >= self.min_bytes)
         )
+
+    def _show(self, record: Measurement) -> None:
+        shell = self._shell
+        publisher = shell.display_pub
+        if type(publisher).publish is DisplayPublisher.publish and not getattr(
+            shell, "mime_renderers", None
+        ):
+            # All that IPython's own terminal publisher would print; one write, not print's two.
+            sys.stdout.write(record.summary() + "\n")
+        else:
+            publisher.publish(data=record._repr_mimebundle_(), metadata={})
 
     def _publish(self, bundle: dict[str, str]) -> None:
         with contextlib.suppress(Exception):  # nowhere to show it: the record is kept

@@ -55,33 +55,31 @@ class Measurement:
         )
         return max((abs(b) for b in figures if b is not None), default=0)
 
-    def parts(self) -> list[str]:
-        """The compact line's pieces: time, device, host."""
-        out = [f"time {fmt_seconds(self.wall_s)}"]
+    def summary(self) -> str:
+        """The compact line: time, then device and host memory (`n/a` where not measured)."""
+        line = f"time {fmt_seconds(self.wall_s)}"
         if self.device is not None:
             gpu_time = "" if self.device_s is None else f" {fmt_seconds(self.device_s)},"
-            out.append(
-                f"{self.device}{gpu_time} {fmt_bytes(self.device_delta_bytes, signed=True)}"
+            line += (
+                f" | {self.device}{gpu_time} {fmt_bytes(self.device_delta_bytes, signed=True)}"
                 f" (peak {fmt_bytes(self.device_peak_bytes)})"
             )
         if self.host_delta_bytes is None and self.host_peak_bytes is None:
-            out.append("host n/a")
-        else:
-            out.append(
-                f"host {fmt_bytes(self.host_delta_bytes, signed=True)}"
-                f" (peak {fmt_bytes(self.host_peak_bytes)})"
-            )
-        return out
+            return line + " | host n/a"
+        return (
+            f"{line} | host {fmt_bytes(self.host_delta_bytes, signed=True)}"
+            f" (peak {fmt_bytes(self.host_peak_bytes)})"
+        )
 
     def __str__(self) -> str:
-        return " | ".join(self.parts())
+        return self.summary()
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        body = " &middot; ".join(html.escape(p) for p in self.parts())
+        text = self.summary()
         return {
-            "text/plain": str(self),
+            "text/plain": text,
             "text/html": f'<div class="tdm-report" style="font-size:smaller;opacity:.7">'
-            f"{body}</div>",
+            f"{html.escape(text)}</div>",
         }
 
 

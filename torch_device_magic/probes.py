@@ -8,9 +8,10 @@ Design rules, which every function here keeps:
   `torch.cuda.is_initialized()` says a context exists. On a CPU-only build
   (`torch.version.cuda is None`), torch.cuda is not called at all. NVML needs no
   CUDA context.
-- On Linux the host peak is exact and costs three system calls per cell. The
-  files stay open, `/proc/self/clear_refs` resets the kernel's high-water mark,
-  and `VmHWM` is read after. Where `/proc` refuses, a sampling thread stands in.
+- On Linux the host peak is exact and costs a few cheap system calls per cell:
+  `/proc/self/clear_refs` resets the kernel's high-water mark before the cell
+  and the mark is read after it, from files kept open. Where `/proc` refuses,
+  a sampling thread stands in.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from functools import cache
 from typing import Any, Protocol
 
 import torch
+
+try:
+    import resource
+except ImportError:  # Windows: no /proc either, so the sampling thread measures
+    resource = None
 
 from .devices import torch_default_device
 
@@ -57,7 +63,15 @@ class HostProbe(Protocol):
 
 
 class ProcHighWater:
-    """Exact host peak on Linux: reset VmHWM before, read it after (3 syscalls a cell)."""
+    """Exact host peak on Linux: reset the kernel's high-water mark before, read it after.
+
+    Four cheap system calls a cell, on files kept open: the reset (`clear_refs`)
+    and RSS (`statm`) before; the high-water mark (`getrusage`, the same counter
+    as `VmHWM`) and RSS after. getrusage also keeps the highest mark any exited
+    thread saw, and never forgets it: so where it reads more than `_SLACK` above
+    the start, the mark is read from `/proc/self/status` instead (one slower call,
+    only in cells that used memory).
+    """
 
     def __init__(self, proc: str = "/proc/self") -> None:
         self._fds: list[int] = []
@@ -68,7 +82,7 @@ class ProcHighWater:
         self.start()  # fails here, not in a user's cell, where the kernel refuses the reset
         if self.stop() == (None, None):
             self.close()
-            raise OSError("/proc/self gives no VmHWM")
+            raise OSError(f"{proc} gives no resettable VmHWM")
 
     def _open(self, path: str, flags: int) -> int:
         try:
@@ -79,22 +93,28 @@ class ProcHighWater:
         self._fds.append(fd)
         return fd
 
+    def _rss(self) -> int:
+        return int(os.pread(self._statm, 64, 0).split(None, 2)[1]) * _PAGE
+
     def start(self) -> None:
         try:
             os.pwrite(self._clear, b"5", 0)
-            self._rss0 = int(os.pread(self._statm, 64, 0).split(None, 2)[1]) * _PAGE
+            self._rss0 = self._rss()
         except (OSError, ValueError, IndexError):
             self._rss0 = None
 
     def stop(self) -> tuple[int | None, int | None]:
         rss0, self._rss0 = self._rss0, None
-        try:
-            status = os.pread(self._status, 4096, 0)
-            hwm = _status_kib(status, b"VmHWM:") * 1024
-            rss = _status_kib(status, b"VmRSS:") * 1024
-        except (OSError, ValueError):
-            return None, None
         if rss0 is None:
+            return None, None
+        try:
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            rss = self._rss()
+            if hwm > rss0 + _SLACK:  # a real peak, or a stale mark: VmHWM tells them apart
+                status = os.pread(self._status, 4096, 0)
+                hwm = _status_kib(status, b"VmHWM:") * 1024
+                rss = _status_kib(status, b"VmRSS:") * 1024
+        except (OSError, ValueError, IndexError):
             return None, None
         return rss - rss0, max(0, hwm - rss0)
 
@@ -102,6 +122,9 @@ class ProcHighWater:
         for fd in self._fds:
             guarded(os.close, fd)
         self._fds.clear()
+
+
+_SLACK = 256 * 1024  # below this a cell's peak is read from getrusage, within this much
 
 
 def _status_kib(status: bytes, key: bytes) -> int:
@@ -191,6 +214,7 @@ def host_probe() -> HostProbe:
 # --- accelerators ---------------------------------------------------------------
 
 ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
+_MPS_BUILT = guarded(torch.backends.mps.is_built) is True
 
 
 @dataclass(frozen=True)
@@ -214,7 +238,7 @@ def runtime_up(kind: str) -> bool:
         if kind == "mps":
             # MPS has no context to create; it counts as in use once it holds memory.
             return (
-                torch.backends.mps.is_built()
+                _MPS_BUILT
                 and torch.backends.mps.is_available()
                 and torch.mps.driver_allocated_memory() > 0
             )
@@ -322,8 +346,10 @@ def active_accelerator(device: str | torch.device | None = None) -> Accelerator 
             if dev.type not in ACCELERATOR_TYPES or not runtime_up(dev.type):
                 return None
             return _accelerator(dev.type, _index(dev))
-        kind = next((k for k in ACCELERATOR_TYPES if runtime_up(k)), None)
-        if kind is None:
+        for kind in ACCELERATOR_TYPES:
+            if runtime_up(kind):
+                break
+        else:
             return None
         default = torch_default_device()
         dev = default if default is not None and default.type == kind else torch.device(kind)

@@ -83,11 +83,12 @@ class TorchDeviceMagics(Magics):
     ).tag(config=True)
 
     def __init__(self, shell: Any) -> None:
-        self.reporter = CellReporter()  # before the traits load: their observer uses it
-        super().__init__(shell=shell)
+        # State first: traits set in ipython_config.py fire observers during super().__init__.
+        self.reporter = CellReporter()
         self.session_device: torch.device | None = None
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
+        super().__init__(shell=shell)
 
     @validate("report_min_seconds", "report_min_bytes")
     def _not_negative(self, proposal: Any) -> Any:

@@ -315,3 +315,19 @@ def test_loading_and_reporting_never_ask_cuda(shell, monkeypatch):
     run(shell, "%devreport status")
     assert set(spy.calls) <= {"torch.cuda.is_initialized"}
     assert "torch.cuda.is_initialized" in spy.calls  # the guard itself was exercised
+
+
+@pytest.mark.parametrize(
+    ("setting", "status"),
+    [("auto_report = False", "per-cell report: off"), ("report_min_seconds = 60.0", "1 min")],
+)
+def test_report_traits_from_ipython_config(tmp_path, setting, status):
+    from test_config_file import run_ipython
+
+    config = (
+        'c.InteractiveShellApp.extensions = ["torch_device_magic"]\n'
+        f"c.TorchDeviceMagics.{setting}\n"
+    )
+    out = run_ipython(tmp_path, config, "x = 1\n%devreport status")
+    assert status in out
+    assert not report_lines(out)

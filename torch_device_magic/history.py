@@ -107,6 +107,7 @@ class History:
         for ax in (top, bottom):
             ax.legend(loc="upper left")
         fig.tight_layout()
+        plt.close(fig)  # shown once, by whoever displays it, not again by the inline backend
         return fig
 
 

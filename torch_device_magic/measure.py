@@ -1,9 +1,9 @@
 """Measuring one stretch of code: a `Meter` started before it and stopped after.
 
-    >>> meter = Meter()
-    >>> meter.start(); x = torch.ones(2**27); del x; m = meter.stop()
-    >>> m.host_peak_bytes, m.device_delta_bytes     # device fields None: no accelerator
-    (536870912, None)
+    meter = Meter()
+    meter.start(); x = torch.ones(2**27); del x; m = meter.stop()
+    m.host_peak_bytes      # about 512 MiB: the tensor came and went inside
+    m.device_delta_bytes   # None: no accelerator was in use
 
 The per-cell report and `%%gpumem` both measure with a `Meter` and read the same
 `Measurement` fields. A peak is the most memory above the starting level at any

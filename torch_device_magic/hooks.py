@@ -1,7 +1,7 @@
 """The per-cell reporter: one object owns every IPython event callback of ours.
 
     In [3]: x = torch.ones(2**27); del x
-    time 152.3 ms | host +0 B (peak 512.0 MiB)
+    time 152.3 ms | host 0 B (peak 512.0 MiB)
 
 `register(ip)` first drops callbacks that an older instance left behind (a
 reload after a failed unload), so there is always exactly one set; pre and

@@ -169,6 +169,13 @@ def held_bytes(history) -> int:
     return total
 
 
+def show(title: str, column: str, figures: dict[str, str]) -> None:
+    print(title)
+    print(f"{'mode':<18} {column:>18}")
+    for mode, figure in list(figures.items())[1:]:  # bare is the reference
+        print(f"{mode:<18} {figure:>18}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cells (a smoke run)")
@@ -177,19 +184,15 @@ def main() -> None:
 
     cells, rounds = (100, 8) if args.quick else (100, 60)
     added = in_process(cells, rounds)
-    print(f"in-process: {rounds} rounds of {cells} cells per mode")
-    print(f"{'mode':<18} {'µs added per cell':>18}")
-    for m in list(MODES)[1:]:
-        print(f"{m:<18} {added[m] * 1e6:18.1f}")
+    show(f"in-process: {rounds} rounds of {cells} cells per mode", "µs added per cell",
+         {m: f"{added[m] * 1e6:.1f}" for m in MODES})
     print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)\n")
 
     if not args.no_kernel:
-        kcells, krounds = (50, 4) if args.quick else (100, 30)
-        kernel = on_kernel(kcells, krounds)
-        print(f"real kernel (nbclient): {krounds} rounds of {kcells} cells per mode")
-        print(f"{'mode':<18} {'round trip / bare':>18}")
-        for m in list(MODES)[1:]:
-            print(f"{m:<18} {kernel[m]:17.3f}x")
+        cells, rounds = (50, 4) if args.quick else (100, 30)
+        kernel = on_kernel(cells, rounds)
+        show(f"real kernel (nbclient): {rounds} rounds of {cells} cells per mode",
+             "round trip / bare", {m: f"{kernel[m]:.3f}x" for m in MODES})
         print(f"ours / bare: {kernel['ours']:.3f}x (target <= 1.10)\n")
 
     total = 1000 if args.quick else 10_000

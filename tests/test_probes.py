@@ -31,30 +31,29 @@ def allocate(n_bytes: int) -> torch.Tensor:
     return torch.ones(n_bytes, dtype=torch.uint8)  # written, so every page is resident
 
 
-@pytest.mark.parametrize("make", host_probes())
-def test_transient_peak_is_seen_and_delta_is_near_zero(make):
+def host_change(make, n_bytes: int, keep: bool) -> tuple[int | None, int | None]:
+    """(delta, peak) a probe reads around allocating `n_bytes` (freed inside unless `keep`)."""
     probe = make()
     try:
         probe.start()
-        x = allocate(512 * MiB)
-        del x
-        delta, peak = probe.stop()
+        tensor = allocate(n_bytes)
+        if not keep:
+            del tensor
+        return probe.stop()
     finally:
         probe.close()
+
+
+@pytest.mark.parametrize("make", host_probes())
+def test_transient_peak_is_seen_and_delta_is_near_zero(make):
+    delta, peak = host_change(make, 512 * MiB, keep=False)
     assert peak == pytest.approx(512 * MiB, rel=0.10)
     assert abs(delta) < 0.10 * 512 * MiB
 
 
 @pytest.mark.parametrize("make", host_probes())
 def test_kept_allocation_is_the_delta(make):
-    probe = make()
-    try:
-        probe.start()
-        kept = allocate(256 * MiB)
-        delta, peak = probe.stop()
-    finally:
-        probe.close()
-    del kept
+    delta, peak = host_change(make, 256 * MiB, keep=True)
     assert delta == pytest.approx(256 * MiB, rel=0.10)
     assert peak == pytest.approx(256 * MiB, rel=0.10)
 

@@ -144,7 +144,7 @@ def reading(allocated, peak, reserved, count):
 def meter_on(monkeypatch, module) -> Meter:
     accel = Accelerator("cuda", 0)
     accel._module = module
-    monkeypatch.setattr(measure, "active_accelerator", lambda device=None: accel)
+    monkeypatch.setattr(measure, "active_accelerator", lambda device=None, kinds=None: accel)
     return Meter()
 
 

@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from .probes import Accelerator, Counters, HostProbe, active_accelerator, clock, host_probe
+from .probes import (
+    Accelerator,
+    Counters,
+    HostProbe,
+    active_accelerator,
+    built_kinds,
+    clock,
+    host_probe,
+)
 from .units import fmt_bytes, fmt_seconds
 
 
@@ -57,18 +65,20 @@ class Measurement:
 
     def summary(self) -> str:
         """The compact line: time, then device and host memory (`n/a` where not measured)."""
-        line = f"time {fmt_seconds(self.wall_s)}"
-        if self.device is not None:
-            gpu_time = "" if self.device_s is None else f" {fmt_seconds(self.device_s)},"
-            line += (
-                f" | {self.device}{gpu_time} {fmt_bytes(self.device_delta_bytes, signed=True)}"
-                f" (peak {fmt_bytes(self.device_peak_bytes)})"
-            )
         if self.host_delta_bytes is None and self.host_peak_bytes is None:
-            return line + " | host n/a"
+            host = "host n/a"
+        else:
+            host = (
+                f"host {fmt_bytes(self.host_delta_bytes, signed=True)}"
+                f" (peak {fmt_bytes(self.host_peak_bytes)})"
+            )
+        if self.device is None:
+            return f"time {fmt_seconds(self.wall_s)} | {host}"
+        gpu_time = "" if self.device_s is None else f" {fmt_seconds(self.device_s)},"
         return (
-            f"{line} | host {fmt_bytes(self.host_delta_bytes, signed=True)}"
-            f" (peak {fmt_bytes(self.host_peak_bytes)})"
+            f"time {fmt_seconds(self.wall_s)} | {self.device}{gpu_time}"
+            f" {fmt_bytes(self.device_delta_bytes, signed=True)}"
+            f" (peak {fmt_bytes(self.device_peak_bytes)}) | {host}"
         )
 
     def __str__(self) -> str:
@@ -93,6 +103,7 @@ class Meter:
     def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:
         self.host = host if host is not None else host_probe()
         self.sync = sync
+        self._kinds = built_kinds()
         self._device: str | torch.device | None = None
         self._accel: Accelerator | None = None
         self._before: Counters | None = None
@@ -102,7 +113,7 @@ class Meter:
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
         self._device = device
-        self._accel = accel = active_accelerator(device)
+        self._accel = accel = active_accelerator(device, self._kinds)
         self._before = self._event = None
         if accel is not None:
             self._before = accel.counters()
@@ -113,7 +124,7 @@ class Meter:
 
     def stop(self) -> Measurement:
         """End measuring: synchronise if a runtime is up (and `sync`), read every counter."""
-        accel = self._accel or active_accelerator(self._device)
+        accel = self._accel or active_accelerator(self._device, self._kinds)
         end_event = None
         if accel is not None and self.sync:
             end_event = accel.record_event() if self._event is not None else None

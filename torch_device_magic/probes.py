@@ -227,6 +227,16 @@ class Counters:
     allocations: int | None  # allocation requests so far: tells whether work ran
 
 
+def built_kinds() -> tuple[str, ...]:
+    """The accelerator kinds this torch build has (read from the build: nothing starts)."""
+    built = {
+        "cuda": torch.version.cuda is not None or torch.version.hip is not None,
+        "xpu": getattr(torch.version, "xpu", None) is not None,
+        "mps": _MPS_BUILT,
+    }
+    return tuple(kind for kind in ACCELERATOR_TYPES if built[kind])
+
+
 def runtime_up(kind: str) -> bool:
     """Whether `kind`'s runtime already runs in this process; asking never starts it."""
     try:
@@ -334,19 +344,23 @@ class Accelerator:
         return f"{self.name} ({label})" if label else self.name
 
 
-def active_accelerator(device: str | torch.device | None = None) -> Accelerator | None:
+def active_accelerator(
+    device: str | torch.device | None = None, kinds: tuple[str, ...] | None = None
+) -> Accelerator | None:
     """The accelerator to measure, if its runtime is up: `device`, else the session's one.
 
     Without `device`: the torch default device when it is an accelerator, else the
-    current device of the first runtime that is up. Never starts a runtime.
+    current device of the first runtime that is up. `kinds` (default: `built_kinds()`)
+    lets a caller that asks every cell read the build once. Never starts a runtime.
     """
     try:
+        kinds = built_kinds() if kinds is None else kinds
         if device is not None:
             dev = torch.device(device)
-            if dev.type not in ACCELERATOR_TYPES or not runtime_up(dev.type):
+            if dev.type not in kinds or not runtime_up(dev.type):
                 return None
             return _accelerator(dev.type, _index(dev))
-        for kind in ACCELERATOR_TYPES:
+        for kind in kinds:
             if runtime_up(kind):
                 break
         else:

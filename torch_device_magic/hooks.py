@@ -120,7 +120,8 @@ class CellReporter:
             self._publish({"text/plain": f"torch_device_magic could not measure: {self._fault}"})
 
     def _record(self, measured: Measurement, cell: int | None) -> None:
-        record, adopted, self._adopted = self._adopted or measured, self._adopted, None
+        adopted, self._adopted = self._adopted, None
+        record = adopted or measured
         record.cell = cell
         self.history.append(record)
         if adopted is None and self.shows(record):

@@ -234,13 +234,15 @@ class TorchDeviceMagics(Magics):
         """Turn the line after every cell on or off, or say how it is set.
 
         In [1]: %devreport off
-        per-cell report: off; 12 cells in the history (%devhistory)
+        per-cell report: off (every cell; synchronise: on); 12 cells in the history (%devhistory)
 
-        The line shows wall time, device time (where accelerator work ran),
-        device allocated change and peak, and host RSS change and peak. The
-        thresholds `report_min_seconds` and `report_min_bytes` (0 = unset) hide
-        cells that reach none of them. Every measured cell is kept in the
-        history, shown or not. Same as `%config TorchDeviceMagics.auto_report`.
+        The line shows wall time, device time (where the cell did accelerator
+        work), device allocated change and peak, and host RSS change and peak.
+        With `report_min_seconds` or `report_min_bytes` set (0 = unset), only
+        cells reaching one of them are shown; every measured cell is kept in the
+        history, shown or not. The device is synchronised before the clock stops
+        only where its runtime is already up (`sync`); no CUDA context is ever
+        created. Same as `%config TorchDeviceMagics.auto_report = True/False`.
         """
         args = parse(self.devreport, line)
         if args.mode not in ("on", "off", "status"):
@@ -269,11 +271,12 @@ class TorchDeviceMagics(Magics):
         process-wide peak counter is reset for this), the allocator cache
         (reserved) change, device-wide used memory from NVML (the CUDA context
         and other processes included), wall time with the device synchronised,
-        and the largest tensors the cell bound to new names. Without an
-        accelerator in use it says so and reports host RSS change and peak.
-        The cell is not reported a second time by the per-cell line. `-o` makes
-        the report the cell's output (as `%%timeit -o` does); `-q` leaves only
-        that output.
+        host RSS change and peak, and the five largest tensors bound to names
+        the cell created or rebound. Without an accelerator in use (or with
+        `--device cpu`) it says so and reports host memory only. The cell is
+        not reported a second time by the per-cell line. `-o` makes the report
+        the cell's output instead of its last value (as `%%timeit -o` does);
+        `-q` leaves only that output. A cell that raises shows no report.
         """
         __tracebackhide__ = True
         args = parse(self.gpumem, line)

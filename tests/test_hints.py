@@ -124,3 +124,95 @@ def test_out_of_memory_frees_the_tracebacks_frames():
 ])
 def test_other_errors_get_no_hint(error):
     assert hint(error, {"x": torch.ones(1)}, "x / 0", None) is None
+
+
+# --- through a shell: the hint under the traceback, from the one hooks object ---------
+
+
+def show(shell, cell):
+    """Run `cell` as IPython does (printing its error instead of raising it)."""
+    return super(type(shell), shell).run_cell(cell)
+
+
+def test_the_hint_comes_under_the_traceback_and_before_the_report_line(ip, capsys):
+    ip.run_cell("model = torch.nn.Linear(2, 2, device='meta'); x = torch.ones(1, 2)")
+    capsys.readouterr()
+    result = show(ip, "y = model(x)")
+    out = capsys.readouterr().out
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert out.count("Traceback (most recent call last)") == 1
+    error_at = out.index("RuntimeError: Tensor on device")
+    hint_at = out.index(f"{PREFIX} the tensors this operation got are on different devices.")
+    assert error_at < hint_at < out.rindex("\ntime ")
+    assert "  The cell uses: model (meta), x (cpu)\n" in out
+
+
+def test_data_loader_under_device_meta_for_real(ip, capsys):
+    ip.run_cell("from torch.utils.data import DataLoader\n%device meta")
+    capsys.readouterr()
+    show(ip, "loader = DataLoader(list(range(10)), shuffle=True, batch_size=2)\nnext(iter(loader))")
+    out = capsys.readouterr().out
+    assert "Tensor.item() cannot be called on meta tensors" in out
+    assert "which %device set to meta" in out
+    assert "%config TorchDeviceMagics.set_torch_default = False" in out
+
+
+def test_out_of_memory_in_a_cell_frees_what_its_frames_held(ip, capsys):
+    ip.run_cell(
+        "import weakref\nrefs = []\n"
+        "def step():\n"
+        "    activations = torch.ones(1000)\n"
+        "    refs.append(weakref.ref(activations))\n"
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')"
+    )
+    show(ip, "step()")
+    out = capsys.readouterr().out
+    assert "OutOfMemoryError" in out and f"{PREFIX} the accelerator ran out of memory." in out
+    assert ip.user_ns["refs"][0]() is None
+    assert not hasattr(sys, "last_traceback")
+
+
+@pytest.mark.parametrize("switch", [None, "%config TorchDeviceMagics.hints = False"])
+def test_no_hint_for_other_errors_or_when_switched_off(ip, capsys, switch):
+    if switch:
+        ip.run_cell(switch)
+        ip.run_cell("m = torch.nn.Linear(2, 2, device='meta')")
+        cell = "m(torch.ones(2))"
+    else:
+        cell = "1 / 0"
+    show(ip, cell)
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last)" in out
+    assert PREFIX not in out
+
+
+def test_hints_without_the_report_keep_only_post_run_cell(ip, capsys):
+    from torch_device_magic.hooks import is_ours
+
+    def ours(event):
+        return sum(is_ours(cb) for cb in ip.events.callbacks[event])
+
+    ip.run_cell("%devreport off")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (0, 1)
+    show(ip, "torch.ones(1) + torch.ones(1, device='meta')")
+    assert PREFIX in capsys.readouterr().out
+    ip.run_cell("%config TorchDeviceMagics.hints = False")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (0, 0)
+    ip.run_cell("%config TorchDeviceMagics.hints = True")
+    ip.run_cell("%devreport on")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (1, 1)
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (0, 0)
+
+
+def test_a_fault_while_hinting_prints_nothing_more(ip, capsys, monkeypatch):
+    import torch_device_magic.hints as hints
+
+    def broken(*args):
+        raise ValueError("bug in a hint")
+
+    monkeypatch.setattr(hints, "hint", broken)
+    show(ip, "torch.ones(1) + torch.ones(1, device='meta')")
+    out = capsys.readouterr().out
+    assert out.count("Traceback (most recent call last)") == 1
+    assert "bug in a hint" not in out and PREFIX not in out

@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, moving
+from . import cells, devices, gpumem, hints, moving
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
 from .errors import DeviceMagicError
@@ -85,6 +85,12 @@ class TorchDeviceMagics(Magics):
         help="Synchronise the accelerator before stopping a cell's clock, so that queued "
         "kernels count. Only done where a CUDA context (or other runtime) already exists.",
     ).tag(config=True)
+    hints = Bool(
+        True,
+        help="After the traceback of a classic device error (tensors on different devices, "
+        "out of memory, a CUDA checkpoint without CUDA, DataLoader under a non-CPU default "
+        "device), print a short block starting 'Hint (torch_device_magic):'.",
+    ).tag(config=True)
 
     def __init__(self, shell: Any) -> None:
         # State first: traits set in ipython_config.py fire observers during super().__init__.
@@ -100,12 +106,12 @@ class TorchDeviceMagics(Magics):
             raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
         return proposal.value
 
-    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync")
+    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync", "hints")
     def _report_settings_changed(self, change: Any) -> None:
         self.apply_report_settings()
 
     def apply_report_settings(self) -> None:
-        """Hand the report traits to the reporter; hook it on or off per `auto_report`."""
+        """Hand the report and hint traits to the hooks; hook the report on or off."""
         reporter = self.reporter
         reporter.min_seconds, reporter.min_bytes = self.report_min_seconds, self.report_min_bytes
         reporter.sync = self.sync
@@ -115,6 +121,10 @@ class TorchDeviceMagics(Magics):
             reporter.register(self.shell)
         elif not self.auto_report and reporter.registered:
             reporter.unregister(self.shell)
+        reporter.set_hint(self.shell, self._hint if self.hints else None)
+
+    def _hint(self, error: BaseException, source: str) -> str | None:
+        return hints.hint(error, self.shell.user_ns, source, self.session_device)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
@@ -135,6 +145,7 @@ class TorchDeviceMagics(Magics):
     def close(self) -> None:
         """Undo what loading and the magics changed: hooks, default device, grad mode."""
         self.reporter.unregister(self.shell)
+        self.reporter.set_hint(self.shell, None)
         if self.session_device is not None:
             self.session_device = None
             self._apply_default()

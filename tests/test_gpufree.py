@@ -9,7 +9,8 @@ import torch
 from IPython.core.error import UsageError
 
 from torch_device_magic import gpufree
-from torch_device_magic.gpufree import FreeReport, Usage, free_memory
+from torch_device_magic.gpufree import FreeReport, free_memory
+from torch_device_magic.probes import Counters
 
 GIB = 2**30
 
@@ -35,18 +36,35 @@ def test_without_an_accelerator_in_use_it_collects_garbage_and_says_so(ip, capsy
     assert not torch.cuda.is_initialized()
 
 
+class FakeGpu:
+    """An accelerator whose allocator reads 8 GiB cached before and 2 GiB after."""
+
+    name, kind = "cuda:0", "cuda"
+
+    def __init__(self) -> None:
+        self.readings = iter([Counters(2 * GIB, None, 8 * GIB, 1), Counters(GIB, None, 2 * GIB, 1)])
+
+    def counters(self) -> Counters:
+        return next(self.readings)
+
+
 def test_says_how_much_each_accelerator_gave_back(monkeypatch):
-    readings = iter([Usage(2 * GIB, 8 * GIB), Usage(int(1.5 * GIB), 2 * GIB)])
     emptied = []
-    monkeypatch.setattr(gpufree, "accelerators_in_use", lambda: ["cuda:0"])
-    monkeypatch.setattr(gpufree, "usage", lambda device: next(readings))
+    monkeypatch.setattr(gpufree, "accelerators_in_use", lambda: [FakeGpu()])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     report = free_memory()
     assert emptied == [True]
     assert report.released_bytes == 6 * GIB
     assert str(report).endswith(
-        "cuda:0: 6.0 GiB came back (cached 8.0 GiB → 2.0 GiB, in tensors 2.0 GiB → 1.5 GiB)"
+        "cuda:0: 6.0 GiB came back (cached 8.0 GiB → 2.0 GiB, in tensors 2.0 GiB → 1.0 GiB)"
     )
+
+
+def test_unreadable_counters_read_n_a():
+    unknown = Counters(None, None, None, None)
+    report = FreeReport(3, {"mps:0": unknown}, {"mps:0": unknown})
+    assert report.released_bytes == 0
+    assert str(report).endswith("mps:0: n/a came back (cached n/a → n/a, in tensors n/a → n/a)")
 
 
 def test_report_without_accelerators_reads_one_line():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from .devices import Inventory, resolve
 from .errors import DeviceMagicError
 from .moving import cell_names, move
 from .namespace import scan
+from .probes import active_accelerator, clock
 from .reports import Table
 from .units import fmt_seconds
 
@@ -141,10 +141,10 @@ def _on_device(
             runs_s = []
             for _ in range(runs):
                 _synchronize(dev)
-                start = time.perf_counter()
+                start = clock()
                 value = run()
                 _synchronize(dev)
-                runs_s.append(time.perf_counter() - start)
+                runs_s.append(clock() - start)
         return runs_s, value
     except Exception:
         print(f"%%devcompare: the cell failed on {dev}", file=sys.stderr)
@@ -166,12 +166,10 @@ def _copies(ns: dict, names: list[str]) -> dict[str, object]:
 
 
 def _synchronize(dev: torch.device) -> None:
-    """Wait for `dev`'s queued work, only where its runtime is already up."""
-    module = getattr(torch, dev.type, None)
-    if dev.type in ("cuda", "xpu") and module.is_initialized():
-        module.synchronize(dev)
-    elif dev.type == "mps":
-        torch.mps.synchronize()
+    """Wait for `dev`'s queued work where its runtime is up (the first run may start it)."""
+    accelerator = active_accelerator(dev)
+    if accelerator is not None:
+        accelerator.synchronize()
 
 
 def difference(a: object, b: object) -> float | None:

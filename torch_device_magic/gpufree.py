@@ -1,9 +1,8 @@
 """`%gpufree`: collect garbage, hand the allocators' cache back, and say how much came back.
 
-    In [7]: del activations
-    In [8]: %gpufree
-    garbage collected (1,204 objects); cuda:0: 6.0 GiB came back (cached 8.1 GiB → 2.1 GiB,
-    in tensors 2.0 GiB → 2.0 GiB)
+    >>> report = free_memory()  # after `del activations`
+    >>> report.released_bytes, report.before["cuda:0"].reserved_bytes
+    (6442450944, 8697308774)
 
 Only accelerators whose runtime is already up are touched: on a machine that
 never used one, this collects garbage and says so, and creates no CUDA context.
@@ -16,31 +15,29 @@ from dataclasses import dataclass
 
 import torch
 
+from .probes import (
+    ACCELERATOR_TYPES,
+    Accelerator,
+    Counters,
+    active_accelerator,
+    guarded,
+    runtime_up,
+)
 from .units import fmt_bytes
-
-
-@dataclass(frozen=True)
-class Usage:
-    """One device's allocator before or after: bytes in live tensors and bytes it holds."""
-
-    allocated_bytes: int
-    reserved_bytes: int
 
 
 @dataclass
 class FreeReport:
-    """What `%gpufree` did: objects collected, and each accelerator's usage before and after."""
+    """What `%gpufree` did: objects collected, and each accelerator's counters before and after."""
 
     collected: int
-    before: dict[str, Usage]
-    after: dict[str, Usage]
+    before: dict[str, Counters]
+    after: dict[str, Counters]
 
     @property
     def released_bytes(self) -> int:
-        """Bytes the allocators gave back to the devices, over all of them."""
-        return sum(
-            self.before[d].reserved_bytes - self.after[d].reserved_bytes for d in self.before
-        )
+        """Bytes the allocators gave back to the devices, over all that could be read."""
+        return sum(_less(self.before[d], self.after[d]) or 0 for d in self.before)
 
     def __str__(self) -> str:
         done = f"garbage collected ({self.collected:,} objects)"
@@ -50,39 +47,34 @@ class FreeReport:
         for name, old in self.before.items():
             new = self.after[name]
             parts.append(
-                f"{name}: {fmt_bytes(old.reserved_bytes - new.reserved_bytes)} came back "
+                f"{name}: {fmt_bytes(_less(old, new))} came back "
                 f"(cached {fmt_bytes(old.reserved_bytes)} → {fmt_bytes(new.reserved_bytes)}, "
                 f"in tensors {fmt_bytes(old.allocated_bytes)} → {fmt_bytes(new.allocated_bytes)})"
             )
         return "; ".join(parts)
 
 
+def _less(before: Counters, after: Counters) -> int | None:
+    if before.reserved_bytes is None or after.reserved_bytes is None:
+        return None
+    return before.reserved_bytes - after.reserved_bytes
+
+
 def free_memory() -> FreeReport:
     """Run `gc.collect()`, then empty the cache of every accelerator already in use."""
-    devices = accelerators_in_use()
-    before = {d: usage(d) for d in devices}
+    accelerators = accelerators_in_use()
+    before = {a.name: a.counters() for a in accelerators}
     collected = gc.collect()
-    for kind in dict.fromkeys(torch.device(d).type for d in devices):
-        getattr(torch, kind).empty_cache()
-    return FreeReport(collected, before, {d: usage(d) for d in devices})
+    for kind in dict.fromkeys(a.kind for a in accelerators):
+        guarded(getattr(torch, kind).empty_cache)
+    return FreeReport(collected, before, {a.name: a.counters() for a in accelerators})
 
 
-def accelerators_in_use() -> list[str]:
-    """Devices whose runtime is up (CUDA, XPU with a context; MPS holding memory); none started."""
+def accelerators_in_use() -> list[Accelerator]:
+    """Every accelerator device whose runtime is already up (asking starts none)."""
     found = []
-    for kind in ("cuda", "xpu"):
-        module = getattr(torch, kind, None)  # torch.xpu and its is_initialized came late
-        if getattr(module, "is_initialized", lambda: False)():
-            found += [f"{kind}:{i}" for i in range(module.device_count())]
-    if torch.backends.mps.is_available() and torch.mps.driver_allocated_memory() > 0:
-        found.append("mps")
-    return found
-
-
-def usage(device: str) -> Usage:
-    """`device`'s allocator now."""
-    if device == "mps":
-        return Usage(torch.mps.current_allocated_memory(), torch.mps.driver_allocated_memory())
-    dev = torch.device(device)
-    module = getattr(torch, dev.type)
-    return Usage(module.memory_allocated(dev.index), module.memory_reserved(dev.index))
+    for kind in ACCELERATOR_TYPES:
+        if runtime_up(kind):
+            count = 1 if kind == "mps" else getattr(torch, kind).device_count()
+            found += [active_accelerator(torch.device(kind, i)) for i in range(count)]
+    return [a for a in found if a is not None]

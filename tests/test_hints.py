@@ -216,3 +216,21 @@ def test_a_fault_while_hinting_prints_nothing_more(ip, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert out.count("Traceback (most recent call last)") == 1
     assert "bug in a hint" not in out and PREFIX not in out
+
+
+@pytest.mark.slow
+def test_on_a_kernel_the_hint_follows_the_error_output():
+    from kernel import execute, notebook
+    from nbclient.exceptions import CellExecutionError
+
+    nb = notebook(
+        "%load_ext torch_device_magic\nimport torch",
+        "x = torch.ones(1); m = torch.zeros(1, device='meta')\nx + m",
+    )
+    with pytest.raises(CellExecutionError):
+        execute(nb)
+    kinds = [(o.output_type, o.get("text", "")) for o in nb.cells[1].outputs]
+    error_at = [kind for kind, _ in kinds].index("error")
+    hint_at = next(i for i, (_, text) in enumerate(kinds) if text.startswith(PREFIX))
+    assert error_at < hint_at
+    assert "The cell uses: x (cpu), m (meta)" in kinds[hint_at][1]

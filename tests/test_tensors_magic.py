@@ -172,3 +172,15 @@ def test_bad_input_is_a_usage_error(ip, line, message):
         ip.run_cell(line)
     assert type(err.value) is UsageError
     assert str(err.value).startswith(message)
+
+
+def test_adams_cpu_step_counter_does_not_make_the_optimizer_span_devices():
+    model = torch.nn.Linear(2, 2, device="meta")
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():  # what Adam.step leaves for parameters on a GPU
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
+    report = scan({"opt": opt})
+    assert report.rows[0].device == "meta"
+    assert report.rows[0].nbytes == 24  # the moments; the steps count in the totals only
+    assert report.totals == {"cpu": 8, "meta": 24 + 24}
+    assert report.warnings == []

@@ -391,10 +391,10 @@ class TorchDeviceMagics(Magics):
         In [1]: %%devcompare cpu cuda
            ...: a @ b
         %%devcompare: 5 runs per device after 1 warm-up
-        device  median    spread (min … max)   speed-up  max |difference| vs cpu
+        device    median   spread (min … max)  speed-up  max |difference| vs cpu
         ------  --------  -------------------  --------  -----------------------
         cpu     312.4 ms  305.1 ms … 330.9 ms  1.00×
-        cuda:0  4.1 ms    4.0 ms … 4.3 ms      76.2×     3.1e-05
+        cuda      4.1 ms      4.0 ms … 4.3 ms  76.20×    3.1e-05
 
         On each device the cell gets copies of the tensors, models and optimizers
         it reads, moved there as %%ondevice moves them, with that device as

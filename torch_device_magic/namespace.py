@@ -30,9 +30,10 @@ from .units import fmt_bytes
 
 WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
 
-# Where a tensor sits in the object a row is named after; only DATA and STATE
-# count in the row's bytes, every role counts in the totals.
-DATA, STATE, GRAD, PARAM = "data", "state", "grad", "param"
+# Where a tensor sits in the object a row is named after. DATA and STATE count
+# in the row's bytes; DATA, STATE and PARAM give its devices; every role counts
+# in the totals, ASIDE only there.
+DATA, STATE, GRAD, PARAM, ASIDE = "data", "state", "grad", "param", "aside"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class _Found:
     """What walking one name found: storages by role, and what looked wrong."""
 
     storages: dict[str, dict[tuple[str, int], int]] = field(
-        default_factory=lambda: {DATA: {}, STATE: {}, GRAD: {}, PARAM: {}}
+        default_factory=lambda: {DATA: {}, STATE: {}, GRAD: {}, PARAM: {}, ASIDE: {}}
     )
     dtypes: set[str] = field(default_factory=set)
     requires_grad: bool = False
@@ -232,13 +233,16 @@ def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
         for p in group["params"]:
             f.add(p, PARAM)
             if p.grad is not None:
-                f.add(p.grad, PARAM)  # the model's row shows it; here it counts in the totals
+                f.add(p.grad, ASIDE)  # the model's row shows it
             for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, Tensor):
-                    _tensor(value, STATE, f)
-                    # torch keeps `step` on the CPU on purpose unless capturable or fused
-                    if key != "step" and value.device != p.device:
-                        astray.add((str(value.device), str(p.device)))
+                if not isinstance(value, Tensor):
+                    continue
+                if key == "step":  # on the CPU on purpose unless capturable or fused
+                    f.add(value, ASIDE)
+                    continue
+                _tensor(value, STATE, f)
+                if value.device != p.device:
+                    astray.add((str(value.device), str(p.device)))
     for state_dev, param_dev in sorted(astray):
         f.warnings.append(
             f"{name}: the {type(opt).__name__}'s state is on {state_dev} for parameters on "

@@ -519,3 +519,18 @@ def test_a_small_move_shows_nothing(capsys):
 def test_moving_on_cpu_and_meta_never_touches_cuda():
     moved_all(workload(), META)
     assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_tensors_move_with_their_layout_and_bytes(layout):
+    dense = torch.eye(4)
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    parts = (sparse._indices(), sparse._values()) if layout == "coo" else (
+        sparse.crow_indices(), sparse.col_indices(), sparse.values())
+    expected = sum(p.nbytes for p in parts)
+    ns = {"s": sparse}
+    result = move(ns, ["s"], torch.device("meta"))
+    assert ns["s"].device.type == "meta"
+    assert ns["s"].layout == dense.to_sparse().layout if layout == "coo" else torch.sparse_csr
+    assert result.names["s"] == expected

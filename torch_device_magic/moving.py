@@ -31,6 +31,7 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import gc
 import time
@@ -52,6 +53,14 @@ _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a pro
 _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
 _OOM = getattr(torch, "OutOfMemoryError", ())
+_COMPRESSED = ("values", "crow_indices", "col_indices")
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: _COMPRESSED,
+    torch.sparse_bsr: _COMPRESSED,
+    torch.sparse_csc: ("values", "ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("values", "ccol_indices", "row_indices"),
+}
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 
 # Where a tensor was found, formatted only when a message needs it:
@@ -249,7 +258,7 @@ class _Plan:
             keys = [t.untyped_storage()._cdata for t in tensors]
         except (RuntimeError, NotImplementedError):  # a sparse or other storage-less tensor
             keys = [_storage_key(t) for t in tensors]
-        self.nbytes = [t.nbytes for t in tensors]
+        self.nbytes = [_nbytes(t) for t in tensors]
         if len(set(keys)) == len(keys):  # the common case: every tensor has its own storage
             return
         first: dict[int, int] = {}
@@ -274,6 +283,16 @@ class _Plan:
             if isinstance(v, Tensor) and id(v) not in self.where
         ]
         return mappings, values
+
+
+def _nbytes(t: Tensor) -> int:
+    """Bytes of `t`'s data; a sparse tensor's are those of its index and value tensors."""
+    if t.layout == torch.strided:
+        return t.nbytes
+    parts = _SPARSE_PARTS.get(t.layout, ())
+    with contextlib.suppress(RuntimeError):
+        return sum(getattr(t, name)().nbytes for name in parts)
+    return 0
 
 
 def _storage_key(t: Tensor) -> int:
@@ -384,7 +403,7 @@ def _span(group: list[Tensor]) -> tuple[int, int]:
 def _failure(plan: _Plan, group: list[Tensor], target, exc: Exception) -> str:
     t = group[0]
     what = _label(plan.where.get(id(t), "a tensor"))
-    size = fmt_bytes(sum(x.nbytes for x in group))
+    size = fmt_bytes(sum(_nbytes(x) for x in group))
     if t.device.type == "meta":
         reason = "it is on the meta device, which holds no data"
     elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():
@@ -558,7 +577,7 @@ def _put_back_originals(ns: dict, moved: MoveResult, start: float) -> MoveResult
         for t, value in undo.values:
             t.copy_(value)
     notes = [
-        f"a tensor of {fmt_bytes(t.nbytes)} came back as a new object: "
+        f"a tensor of {fmt_bytes(_nbytes(t))} came back as a new object: "
         f"{_swap_refusal(t) or 'torch refused to swap it'}"
         for t, _ in refused
     ]

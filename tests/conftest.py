@@ -42,3 +42,12 @@ def ip(shell):
     """A fresh shell with the extension loaded."""
     shell.run_line_magic("load_ext", "torch_device_magic")
     return shell
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """demo.ipynb, executed once per session on a real kernel and saved as out/demo.ipynb:
+    the notebook and the CellExecutionError that stopped it (None when it ran through)."""
+    from kernel import run_demo
+
+    return run_demo()

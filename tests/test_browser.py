@@ -51,11 +51,11 @@ MEASURE = """
 
 
 @pytest.fixture(scope="module")
-def demo_html(demo):
+def demo_html(request):
     pytest.importorskip("nbconvert", reason="nbconvert renders the HTML (pip install .[test])")
     from kernel import write_html
 
-    nb, failed = demo
+    nb, failed = request.getfixturevalue("demo")
     assert failed is None, failed
     return write_html(nb, ROOT / "out" / "demo.html")
 

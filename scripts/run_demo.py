@@ -6,6 +6,7 @@ The tests and scripts/gpu-check import `execute` and `run_demo` from here.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out"
+# the line the per-cell report shows after each cell, e.g. "[1.2 ms]"
+REPORT_LINE = re.compile(r"^\[\d+(\.\d+)? (µs|ms|s|min)\b.*\]$", re.M)
 
 
 def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:
@@ -29,15 +32,18 @@ def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookN
     return nb
 
 
-def run_demo(out: Path = OUT) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
-    """Execute demo.ipynb and write it to `out`/demo.ipynb; return it and the error it hit."""
+def run_demo(
+    out: Path = OUT, timeout: int = 600
+) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
+    """Execute demo.ipynb (`timeout` seconds a cell) and write it to `out`/demo.ipynb;
+    return it and the error that stopped it (None when it ran through)."""
     nb = nbformat.read(ROOT / "demo.ipynb", as_version=4)
     failed = None
     try:
-        execute(nb)
+        execute(nb, timeout)
     except CellExecutionError as err:
         failed = err
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out / "demo.ipynb")
     return nb, failed
 

@@ -20,6 +20,19 @@ class RaisingShell(InteractiveShell):
         return result
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU."""
+    needs_cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if not needs_cuda or torch.cuda.is_available():
+        return
+    from torch_device_magic.devices import take_inventory
+
+    why = "; ".join(take_inventory().notes) or "torch sees none"
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({why})")
+    for item in needs_cuda:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def shell():
     """A fresh shell, not yet loaded with the extension."""

@@ -10,9 +10,9 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from run_demo import execute, output_text, run_demo, write_html  # noqa: E402
+from run_demo import REPORT_LINE, execute, output_text, run_demo, write_html  # noqa: E402
 
-__all__ = ["ROOT", "execute", "notebook", "run_demo", "texts", "write_html"]
+__all__ = ["REPORT_LINE", "ROOT", "execute", "notebook", "run_demo", "texts", "write_html"]
 
 
 def notebook(*sources: str) -> nbformat.NotebookNode:

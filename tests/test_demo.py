@@ -1,0 +1,94 @@
+"""demo.ipynb, the tutorial: stored clean, prose before every cell, every magic used; on a
+real kernel it runs through, says where it ran, teaches what it claims, reports every cell."""
+
+from __future__ import annotations
+
+import re
+
+import nbformat
+import pytest
+from kernel import REPORT_LINE, ROOT, texts
+
+from torch_device_magic.magics import TorchDeviceMagics
+
+pytestmark = pytest.mark.slow
+
+
+def code_cells(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def shown(nb: nbformat.NotebookNode, cell_id: str) -> str:
+    """What the code cell with this id showed, as text."""
+    return texts(next(c for c in nb.cells if c.get("id") == cell_id))
+
+
+@pytest.fixture(scope="module")
+def stored():
+    return nbformat.read(ROOT / "demo.ipynb", as_version=4)
+
+
+@pytest.fixture(scope="module")
+def ran(demo):
+    nb, failed = demo
+    assert failed is None, f"the demo stopped at an error:\n{failed}"
+    return nb
+
+
+def test_it_is_stored_without_outputs(stored):
+    for cell in code_cells(stored):
+        assert cell.outputs == [] and cell.execution_count is None, cell.source
+
+
+def test_a_sentence_of_prose_comes_before_every_code_cell(stored):
+    for before, cell in zip(stored.cells, stored.cells[1:]):
+        if cell.cell_type == "code":
+            assert before.cell_type == "markdown" and before.source.strip(), cell.source
+    assert stored.cells[0].cell_type == "markdown"
+
+
+def test_it_uses_every_magic(stored):
+    source = "\n".join(c.source for c in code_cells(stored))
+    as_cell = set(re.findall(r"^%%(\w+)", source, re.M))
+    as_line = set(re.findall(r"^%(\w+)", source, re.M))
+    assert set(TorchDeviceMagics.magics["cell"]) - as_cell == set()
+    assert set(TorchDeviceMagics.magics["line"]) - as_line == set()
+
+
+def test_it_runs_through_with_no_error_output(ran):
+    errors = [o for c in code_cells(ran) for o in c.outputs if o.output_type == "error"]
+    assert errors == []
+    assert all(c.execution_count for c in code_cells(ran))
+
+
+def test_every_cell_after_loading_shows_a_report_line(ran):
+    load, *rest = code_cells(ran)
+    assert "load_ext torch_device_magic" in load.source
+    for cell in rest:
+        assert REPORT_LINE.search(texts(cell)), f"no report line under {cell.source!r}"
+
+
+def test_it_says_which_device_it_chose_and_where_it_ran(ran):
+    chose = shown(ran, "auto").splitlines()[0]
+    ran_on = re.search(r"This notebook ran on (\S+?)[,:]", shown(ran, "where"))
+    assert chose.startswith("device = ") and ran_on, (chose, shown(ran, "where"))
+    if chose.endswith("using the CPU"):
+        assert ran_on[1] == "cpu"
+    else:
+        assert chose.startswith(f"device = {ran_on[1]} ")
+
+
+def test_what_the_tutorial_teaches_is_what_happens(ran):
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", shown(ran, "train"))]
+    assert len(losses) == 2 and losses[1] < losses[0] / 10
+    assert "False" in shown(ran, "nograd") and "True" in shown(ran, "grad-back")
+    assert "requires_grad: False" in shown(ran, "evaluate")
+    assert "same predictions: True" in shown(ran, "checkpoint")
+    assert shown(ran, "reset").startswith("device = cpu")
+
+
+@pytest.mark.cuda
+def test_on_a_cuda_machine_it_runs_on_the_gpu(ran):
+    assert shown(ran, "auto").startswith("device = cuda:")
+    assert "This notebook ran on cuda:" in shown(ran, "where")
+    assert "checkpoint loaded onto cuda:" in shown(ran, "checkpoint")

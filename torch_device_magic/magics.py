@@ -62,11 +62,12 @@ class TorchDeviceMagics(Magics):
     ).tag(config=True)
 
     def __init__(self, shell: Any) -> None:
-        super().__init__(shell=shell)
+        # State first: traits set in ipython_config.py fire observers during super().__init__.
         self.session_device: torch.device | None = None
         self.reporter = CellReporter()
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
+        super().__init__(shell=shell)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:

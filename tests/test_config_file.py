@@ -1,0 +1,37 @@
+"""Loading from ipython_config.py, and traits set there, in a real `ipython` process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_ipython(tmp_path: Path, config: str, code: str) -> str:
+    profile = tmp_path / "profile_default"
+    profile.mkdir(parents=True)
+    (profile / "ipython_config.py").write_text(config)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "IPYTHONDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "IPython", "--colors=NoColor", "-c", code],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("torch_default", [True, False])
+def test_extension_and_traits_load_from_ipython_config(tmp_path, torch_default):
+    config = (
+        'c.InteractiveShellApp.extensions = ["torch_device_magic"]\n'
+        f"c.TorchDeviceMagics.set_torch_default = {torch_default}\n"
+    )
+    code = "%device meta\nimport torch; print('zeros on', torch.zeros(1).device.type)"
+    out = run_ipython(tmp_path, config, code)
+    assert "device = meta" in out
+    assert f"zeros on {'meta' if torch_default else 'cpu'}" in out

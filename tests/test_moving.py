@@ -1,0 +1,511 @@
+"""moving.py on the `cpu` and `meta` devices: every guarantee, fault injection, restore."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import weakref
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pytest
+import torch
+from faults import FailOnAllocation
+
+from torch_device_magic import moving
+from torch_device_magic.errors import DeviceMagicError
+from torch_device_magic.moving import cell_names, move, restore
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["cpu", "meta"])
+def target(request) -> torch.device:
+    """The device moved to; everything starts on the CPU, so `cpu` is the no-op move."""
+    return torch.device(request.param)
+
+
+def storage(t: torch.Tensor) -> int:
+    """Which storage a tensor uses (data pointers are all 0 on meta)."""
+    return t.untyped_storage()._cdata
+
+
+def moved_all(ns: dict, dev: torch.device, **kw) -> moving.MoveResult:
+    return move(ns, list(ns), dev, **kw)
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Frozen:
+    t: torch.Tensor
+
+
+def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model with BatchNorm buffers and Adam state after one step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(8, 3)).pow(2).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def snapshot(ns: dict) -> dict:
+    """Everything a failed move must leave as it was: objects, devices, values."""
+    seen = {}
+    for name, obj in ns.items():
+        seen[name] = obj
+        if isinstance(obj, torch.Tensor):
+            seen[name, "value"] = (obj.device, obj.detach().clone(), obj.grad)
+        if isinstance(obj, torch.nn.Module):
+            for k, t in [*obj.named_parameters(), *obj.named_buffers()]:
+                seen[name, k] = (t, t.device, t.detach().clone(), t.grad)
+        if isinstance(obj, torch.optim.Optimizer):
+            for p, state in obj.state.items():
+                for k, v in state.items():
+                    seen[name, id(p), k] = (v, v.device, v.clone())
+    return seen
+
+
+def assert_unchanged(ns: dict, before: dict) -> None:
+    after = snapshot(ns)
+    assert after.keys() == before.keys()
+    for key, old in before.items():
+        new = after[key]
+        if not isinstance(old, tuple):
+            assert new is old, key
+            continue
+        for a, b in zip(old, new, strict=True):
+            if isinstance(a, torch.Tensor) and a.device.type != "meta" and not a.is_leaf:
+                continue
+            if isinstance(a, torch.Tensor) and a.grad_fn is None and b is not a:
+                assert torch.equal(a, b), key  # clones: equal values
+            else:
+                assert a is b or a == b, key
+
+
+# --- which names a cell refers to -------------------------------------------------------
+
+
+def test_cell_names_are_loads_and_the_roots_of_chains():
+    code = "y = model(x).sum()\nbatch['a'].data[0] += w.grad\nopt.step()\nz += 1\ndel gone"
+    assert cell_names(code) == {"model", "x", "batch", "w", "opt", "z"}
+
+
+def test_cell_names_skip_plain_stores_and_reach_into_functions():
+    assert cell_names("a = 1\nfor i in r: pass\ndef f():\n    return g(h)") == {"r", "g", "h"}
+
+
+def test_cell_names_of_invalid_code_are_empty():
+    assert cell_names("x = (") == set()
+
+
+# --- identity, aliasing, views ----------------------------------------------------------
+
+
+def test_a_name_keeps_its_object_and_two_names_stay_one_object(target):
+    a = torch.arange(6.0)
+    ns = {"a": a, "b": a}
+    moved_all(ns, target)
+    assert ns["a"] is a and ns["b"] is a
+    assert a.device == target
+
+
+def test_a_tensor_reached_twice_moves_once(target):
+    model = torch.nn.Linear(3, 3)
+    w = model.weight
+    ns = {"model": model, "w": w, "box": {"w": w, "again": [w, (w,)]}}
+    result = moved_all(ns, target)
+    assert ns["box"]["again"][1][0] is w and w.device == target
+    if target == META:
+        # counted under the first name that reaches it, in sorted order
+        assert result.names == {"box": w.nbytes, "model": model.bias.nbytes}
+
+
+def test_views_keep_sharing_storage_with_their_base(target):
+    base = torch.arange(24.0)
+    view = base[2:14].view(3, 4)
+    t = view.t()
+    ints = base.view(torch.int32)
+    ns = {"base": base, "view": view, "t": t, "ints": ints}
+    moved_all(ns, target)
+    assert {storage(x) for x in (base, view, t, ints)} == {storage(base)}
+    assert (view.storage_offset(), view.shape, view.stride()) == (2, (3, 4), (4, 1))
+    assert (t.shape, t.stride()) == ((4, 3), (1, 4))
+    assert ints.dtype == torch.int32 and base.device == target
+
+
+def test_a_view_named_alone_moves_without_its_base(target):
+    base = torch.arange(1000.0)
+    ns = {"v": base[10:20]}
+    result = moved_all(ns, target)
+    assert ns["v"].shape == (10,) and ns["v"].device == target
+    if target == META:
+        assert result.nbytes == 40  # only the view's elements, not the whole storage
+
+
+def test_views_of_a_shared_span_rebuild_at_their_offsets_on_meta():
+    base = torch.arange(10, dtype=torch.float64)
+    a, b = base[3:5], base[7:]
+    ns = {"a": a, "b": b}
+    result = moved_all(ns, META)
+    assert storage(a) == storage(b)
+    assert b.storage_offset() - a.storage_offset() == 4
+    assert result.nbytes <= base.nbytes
+
+
+# --- autograd ---------------------------------------------------------------------------
+
+
+def test_a_leaf_stays_a_leaf_that_requires_grad(target):
+    w = torch.randn(3, requires_grad=True)
+    frozen = torch.randn(3)
+    ns = {"w": w, "frozen": frozen}
+    moved_all(ns, target)
+    assert w.is_leaf and w.requires_grad and w.grad_fn is None
+    assert frozen.is_leaf and not frozen.requires_grad
+
+
+def test_grad_moves_with_its_tensor_and_stays_the_same_object(target):
+    w = torch.randn(3, requires_grad=True)
+    (w * 2).sum().backward()
+    g = w.grad
+    ns = {"w": w, "g": g}
+    moved_all(ns, target)
+    assert w.grad is g and g.device == target and w.device == target
+
+
+def test_grad_of_a_frozen_parameter_moves_too(target):
+    p = torch.nn.Parameter(torch.randn(3))
+    p.sum().backward()
+    p.requires_grad_(False)
+    moved_all({"p": p}, target)
+    assert p.grad is not None and p.grad.device == target
+
+
+def test_a_tensor_with_history_arrives_without_it_and_says_so():
+    w = torch.randn(3, requires_grad=True)
+    y = w * 2
+    result = move({"y": y}, ["y"], META)
+    assert y.device == META and y.grad_fn is None
+    assert result.not_followed == ["y: moved without its autograd history"]
+
+
+def test_a_parameter_stays_a_parameter_with_its_attributes(target):
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    p.tag = "keep me"
+    moved_all({"p": p}, target)
+    assert type(p) is torch.nn.Parameter and p.requires_grad and p.tag == "keep me"
+    assert p.device == target
+
+
+# --- modules and optimizers ---------------------------------------------------------------
+
+
+def test_a_module_moves_in_place_with_its_parameters_and_buffers(target):
+    model, opt = trained()
+    params = list(model.parameters())
+    mean = model[1].running_mean
+    ns = {"model": model}
+    moved_all(ns, target)
+    assert ns["model"] is model
+    assert list(model.parameters()) == params and all(
+        a is b for a, b in zip(model.parameters(), params, strict=True)
+    )
+    assert model[1].running_mean is mean and mean.device == target
+    assert all(p.device == target and p.grad.device == target for p in params)
+    assert opt.param_groups[0]["params"][0] is model[0].weight
+
+
+def test_optimizer_state_follows_its_parameters_and_step_stays_on_the_cpu(target):
+    model, opt = trained()
+    state = opt.state[model[0].weight]
+    exp_avg, step = state["exp_avg"], state["step"]
+    moved_all({"model": model, "opt": opt}, target)
+    assert state["exp_avg"] is exp_avg and exp_avg.device == target
+    assert state["step"] is step and step.device == CPU
+    assert set(opt.state) == set(model.parameters())
+
+
+def test_an_optimizer_named_alone_brings_its_parameters():
+    model, opt = trained()
+    move({"opt": opt}, ["opt"], META)
+    assert all(p.device == META for p in model.parameters())
+    assert model[1].running_mean.device == CPU  # a buffer is not the optimizer's
+
+
+def test_capturable_optimizer_steps_follow_their_parameters():
+    model, opt = trained()
+    opt.param_groups[0]["capturable"] = True
+    move({"opt": opt}, ["opt"], META)
+    assert opt.state[model[0].weight]["step"].device == META
+
+
+def test_lazy_parameters_are_left_alone():
+    lazy = torch.nn.LazyLinear(3)
+    result = move({"lazy": lazy}, ["lazy"], META)
+    assert result.names == {}
+
+
+# --- containers ---------------------------------------------------------------------------
+
+
+def containers():
+    t = torch.randn(2)
+    factory = list
+    return t, {
+        "list": [t],
+        "tuple": (t,),
+        "dict": {"k": t},
+        "ordered": collections.OrderedDict(k=t),
+        "default": collections.defaultdict(factory, k=t),
+        "named": Pair(t, t),
+        "dataclass": Batch(t, t),
+        "frozen": Frozen(t),
+        "nested": {"a": [({"b": [t]},)]},
+    }
+
+
+@pytest.mark.parametrize("kind", list(containers()[1]))
+def test_every_container_type_keeps_its_object_and_type(target, kind):
+    t, boxes = containers()
+    box = boxes[kind]
+    before = copy.copy(box) if not isinstance(box, tuple) else box
+    ns = {"box": box}
+    moved_all(ns, target)
+    assert ns["box"] is box and type(box) is type(before)
+    assert t.device == target
+    if kind == "default":
+        assert box.default_factory is list
+
+
+def test_deep_nesting_and_cycles_are_walked_once():
+    t = torch.randn(2)
+    deep: list = [t]
+    for _ in range(5000):
+        deep = [deep]
+    loop: list = [t]
+    loop.append(loop)
+    result = move({"deep": deep, "loop": loop}, ["deep", "loop"], META)
+    assert t.device == META and result.nbytes == t.nbytes
+
+
+def test_other_objects_are_left_untouched():
+    class Holder:
+        def __init__(self) -> None:
+            self.t = torch.randn(2)
+
+    holder = Holder()
+    ns = {"holder": holder, "n": 3, "s": "text", "dev": CPU}
+    result = moved_all(ns, META)
+    assert holder.t.device == CPU and result.names == {}
+
+
+def test_names_missing_from_the_namespace_are_ignored():
+    assert move({}, ["nope"], META).names == {}
+
+
+# --- references that cannot follow --------------------------------------------------------
+
+
+def test_a_weakly_referenced_tensor_is_replaced_where_walked_and_reported():
+    t = torch.randn(2)
+    ref = weakref.ref(t)
+    box = {"pair": Pair(t, t), "list": [t]}
+    ns = {"t": t, "box": box}
+    result = moved_all(ns, META)
+    new = ns["t"]
+    assert new is not t and new.device == META and ref() is t and t.device == CPU
+    assert box["list"][0] is new and box["pair"] == (new, new) and type(box["pair"]) is Pair
+    assert result.not_followed == [  # named by the first place it was found
+        "box['list'][0]: replaced by a new tensor because a weak reference to it exists; "
+        "references the cell does not name keep the old one"
+    ]
+
+
+def test_a_module_parameter_that_cannot_swap_is_rebound_in_module_and_optimizer():
+    model, opt = trained()
+    old = model[0].weight
+    keep = weakref.ref(old)
+    moved_all({"model": model, "opt": opt}, META)
+    new = model[0].weight
+    assert new is not old and keep() is old
+    assert type(new) is torch.nn.Parameter and new.device == META and new.grad.device == META
+    assert opt.param_groups[0]["params"][0] is new and new in opt.state and old not in opt.state
+
+
+def test_a_base_whose_unnamed_view_holds_it_is_replaced_and_reported():
+    base = torch.arange(4.0)
+    view = base[1:]
+    ns = {"base": base}
+    result = move(ns, ["base"], META)
+    assert ns["base"].device == META and view.device == CPU
+    assert "another tensor or an autograd graph holds it" in result.not_followed[0]
+
+
+# --- all or nothing -----------------------------------------------------------------------
+
+
+def workload() -> dict:
+    model, opt = trained()
+    base = torch.arange(8.0)
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.ones(3)
+    return {
+        "model": model,
+        "opt": opt,
+        "base": base,
+        "view": base[2:],
+        "w": w,
+        "batch": Batch(torch.ones(2), torch.zeros(2)),
+        "xs": [torch.randn(2)] * 2,
+    }
+
+
+def allocations() -> int:
+    with FailOnAllocation(META, 0) as counter:
+        moved_all(workload(), META)
+    return counter.count
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9, "last"])
+def test_a_failing_copy_changes_nothing_and_names_what_failed(n):
+    if n == "last":
+        n = allocations()
+    ns = workload()
+    before = snapshot(ns)
+    with pytest.raises(DeviceMagicError) as info, FailOnAllocation(META, n) as faults:
+        moved_all(ns, META)
+    message = str(info.value)
+    assert message.startswith("Could not move ") and message.endswith("nothing was moved.")
+    assert "to meta: out of memory" in message and " B)" in message
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert_unchanged(ns, before)
+    assert faults.made and not faults.alive()  # the copies made are freed
+
+
+def test_an_interrupted_move_changes_nothing_and_its_traceback_holds_no_copies():
+    ns = workload()
+    before = snapshot(ns)
+    interrupt = FailOnAllocation(META, 3, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt) as info, interrupt:
+        moved_all(ns, META)
+    assert info.tb is not None  # the frames are still alive here
+    assert_unchanged(ns, before)
+    assert interrupt.made and not interrupt.alive()
+
+
+def test_the_error_names_the_object_and_its_size():
+    ns = {"batch": {"inputs": torch.zeros(256)}}
+    expected = r"Could not move batch\['inputs'\] \(1.0 KiB\) to meta: out of memory;"
+    with pytest.raises(DeviceMagicError, match=expected), FailOnAllocation(META, 1):
+        moved_all(ns, META)
+
+
+def test_a_meta_tensor_cannot_move_to_the_cpu_and_nothing_changes():
+    a, m = torch.ones(2), torch.empty(2, device=META)
+    ns = {"a": a, "m": m}
+    with pytest.raises(DeviceMagicError, match="on the meta device, which holds no data"):
+        moved_all(ns, CPU)
+    assert ns["m"] is m and m.device == META
+
+
+# --- restore ------------------------------------------------------------------------------
+
+
+def test_restore_from_meta_brings_the_originals_back_as_they_were():
+    ns = workload()
+    before = snapshot(ns)
+    pointers = {k: t.data_ptr() for k, t in ns["model"].state_dict().items()}
+    result = moved_all(ns, META, restorable=True)
+    assert ns["base"].device == META
+    back = restore(ns, result)
+    assert_unchanged(ns, before)
+    assert {k: t.data_ptr() for k, t in ns["model"].state_dict().items()} == pointers
+    assert storage(ns["view"]) == storage(ns["base"])
+    assert back.names == result.names
+
+
+def test_restore_from_meta_undoes_an_optimizer_step_taken_there():
+    ns = workload()
+    model, opt = ns["model"], ns["opt"]
+    before = snapshot(ns)
+    result = moved_all(ns, META, restorable=True)
+    with torch.device(META):
+        model(torch.randn(8, 3)).sum().backward()
+    opt.step()
+    restore(ns, result)
+    assert_unchanged(ns, before)
+
+
+def test_restore_leaves_what_the_cell_made_on_the_device():
+    x = torch.ones(2)
+    ns = {"x": x}
+    result = moved_all(ns, META, restorable=True)
+    ns["x"] = ns["x"] * 2
+    ns["new"] = torch.zeros(1, device=META)
+    restore(ns, result)
+    assert x.device == CPU and torch.equal(x, torch.ones(2))
+    assert ns["x"].device == META and ns["new"].device == META
+
+
+def test_restore_puts_back_a_tensor_that_was_replaced():
+    t = torch.ones(2)
+    ref = weakref.ref(t)
+    ns = {"t": t, "box": [t]}
+    result = moved_all(ns, META, restorable=True)
+    assert ns["t"] is not t
+    restore(ns, result)
+    assert ns["t"] is t and ns["box"][0] is t and ref() is t and t.device == CPU
+
+
+def test_restore_needs_a_restorable_move():
+    with pytest.raises(ValueError, match="restorable=True"):
+        restore({}, move({}, [], META))
+
+
+# --- reporting ----------------------------------------------------------------------------
+
+
+def test_the_result_renders_names_bytes_and_time():
+    ns = {"x": torch.zeros(256), "y": torch.zeros(2)}
+    text = moved_all(ns, META).table().text()
+    assert text.splitlines()[0].startswith("moved 1.0 KiB to meta in ")
+    rows = [line.split(maxsplit=1) for line in text.splitlines()[3:]]
+    assert rows == [["x", "1.0 KiB"], ["y", "8 B"]]
+
+
+def test_nothing_to_move_says_so():
+    assert (
+        move({"x": torch.zeros(1)}, ["x"], CPU).table().text().startswith("nothing to move to cpu")
+    )
+
+
+def test_a_big_move_shows_a_progress_bar_that_goes_away(monkeypatch, capsys):
+    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    moved_all({"x": torch.zeros(256)}, META)
+    err = capsys.readouterr().err
+    assert "moving to meta" in err and err.endswith("\r")  # leave=False clears the line
+
+
+def test_a_small_move_shows_nothing(capsys):
+    moved_all({"x": torch.zeros(256)}, META)
+    assert capsys.readouterr().err == ""
+
+
+def test_moving_on_cpu_and_meta_never_touches_cuda():
+    moved_all(workload(), META)
+    assert not torch.cuda.is_initialized()

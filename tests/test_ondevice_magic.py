@@ -1,0 +1,154 @@
+"""%%ondevice and %device --move, through a fresh shell that re-raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from faults import FailOnAllocation
+from IPython.core.error import UsageError
+
+from torch_device_magic.devices import torch_default_device
+
+META = torch.device("meta")
+
+SETUP = """\
+import torch
+model = torch.nn.Linear(3, 2)
+opt = torch.optim.Adam(model.parameters())
+model(torch.ones(1, 3)).sum().backward()
+opt.step()
+x = torch.arange(4.0)
+view = x[1:]
+bystander = torch.ones(2)
+"""
+
+
+@pytest.fixture
+def ns(ip):
+    ip.run_cell(SETUP)
+    return ip.user_ns
+
+
+def state(ip):
+    """What a refused line must leave as it was: bindings, devices, grad mode, default."""
+    names = {k: v for k, v in ip.user_ns.items() if not k.startswith("_")}
+    devices = {k: v.device for k, v in names.items() if isinstance(v, torch.Tensor)}
+    params = [(p, p.device) for p in ip.user_ns["model"].parameters()]
+    return names, devices, params, torch.is_grad_enabled(), torch_default_device()
+
+
+def test_the_cell_moves_what_it_names_and_runs_there(ip, ns):
+    ip.run_cell("%%ondevice meta\nout = model(x[:3])\nmade = torch.zeros(1)")
+    assert ns["x"].device == META and ns["view"].device.type == "cpu"  # the cell names no view
+    assert ns["model"].weight.device == META and ns["out"].device == META
+    assert ns["made"].device == META
+    assert ns["bystander"].device.type == "cpu"
+    assert ns["opt"].state[ns["model"].weight]["exp_avg"].device.type == "cpu"  # not named
+    assert torch.zeros(1).device.type == "cpu" and torch_default_device() is None
+
+
+def test_the_previous_default_comes_back_after_an_error(ip, ns):
+    with pytest.raises(ZeroDivisionError):
+        ip.run_cell("%%ondevice meta\ny = x * 2\n1 / 0")
+    assert ns["y"].device == META and torch_default_device() is None
+
+
+def test_the_last_expression_is_out_and_a_semicolon_silences_it(ip, ns):
+    ip.run_cell("%%ondevice meta\nx.device", store_history=True)
+    assert ip.user_ns["_"] == META
+    ip.run_cell("%%ondevice meta\nx.shape;", store_history=True)
+    assert ip.execution_count - 1 not in ip.user_ns["Out"]
+
+
+def test_all_moves_every_name_but_ipythons_own(ip, ns):
+    ip.run_cell("_private = torch.ones(1)")
+    ip.run_cell("%%ondevice meta --all\npass")
+    assert ns["bystander"].device == META and ns["model"].bias.device == META
+    assert ns["opt"].state[ns["model"].weight]["exp_avg"].device == META
+    assert ns["_private"].device.type == "cpu"
+
+
+def test_restore_from_meta_brings_back_the_originals(ip, ns):
+    before = ns["x"].clone()
+    ip.run_cell("%%ondevice meta --restore\nx.mul_(0)\nfresh = torch.ones(1)")
+    assert ns["x"].device.type == "cpu" and torch.equal(ns["x"], before)
+    assert ns["view"].untyped_storage().data_ptr() == ns["x"].untyped_storage().data_ptr()
+    assert ns["fresh"].device == META
+
+
+def test_restore_happens_when_the_cell_fails_too(ip, ns):
+    with pytest.raises(RuntimeError, match="boom"):
+        ip.run_cell("%%ondevice meta --restore\nmodel(x[:3])\nraise RuntimeError('boom')")
+    assert ns["model"].weight.device.type == "cpu" and ns["x"].device.type == "cpu"
+
+
+def test_verbose_says_what_moved_and_what_could_not_follow(ip, ns, capsys):
+    ip.run_cell("%%ondevice meta -v\nx.sum()")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("moved 16 B to meta in ")
+    assert ["x", "16 B"] in [line.split(maxsplit=1) for line in out]
+    follow = "could not follow: x: replaced by a new tensor because another tensor"
+    assert any(line.startswith(follow) for line in out)
+
+
+def test_a_view_named_with_its_base_moves_with_it(ip, ns):
+    ip.run_cell("%%ondevice meta\nview + x[1:]")
+    assert ns["x"].device == META and ns["view"].device == META
+    assert ns["view"].untyped_storage()._cdata == ns["x"].untyped_storage()._cdata
+
+
+def test_without_a_device_the_session_device_is_used(ip, ns):
+    ip.run_cell("%device meta")
+    ip.run_cell("%%ondevice\ny = x + 1")
+    assert ns["x"].device == META and ns["y"].device == META
+
+
+def test_device_move_moves_everything_and_sets_the_session_device(ip, ns, capsys):
+    ip.run_cell("%device --move meta")
+    assert capsys.readouterr().out.startswith("device = meta\nmoved ")
+    assert ns["device"] == META and ns["bystander"].device == META
+    assert ns["opt"].state[ns["model"].weight]["exp_avg"].device == META
+
+
+def test_a_move_that_runs_out_of_memory_changes_nothing_and_skips_the_cell(ip, ns):
+    before = state(ip)
+    with pytest.raises(UsageError) as err, FailOnAllocation(META, 2):
+        ip.run_cell("%%ondevice meta\nran = True\nmodel(x)")
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith("Could not move ") and "out of memory" in str(err.value)
+    assert "ran" not in ns and state(ip) == before
+
+
+def test_a_failed_device_move_keeps_the_session_device(ip, ns):
+    ip.run_cell("%device meta --move")
+    ip.run_cell("%device cpu")
+    with pytest.raises(UsageError, match="on the meta device, which holds no data"):
+        ip.run_cell("%device cpu --move")
+    ip.run_cell("%device meta")
+    before = state(ip)
+    with pytest.raises(UsageError):
+        ip.run_cell("%device cpu --move")
+    assert state(ip) == before and ns["device"] == META
+
+
+BAD_LINES = [
+    ("%%ondevice banana\nran = True", "'banana' is not a device"),
+    ("%%ondevice meta --bogus\nran = True", "%ondevice: unrecognized arguments: --bogus"),
+    ("%%ondevice\nran = True", "%%ondevice needs a device"),
+    ("%ondevice meta", "%ondevice is a cell magic"),
+    ("%device --move", "%device --move needs a device"),
+]
+if not torch.cuda.is_available():
+    BAD_LINES.append(("%%ondevice cuda\nran = True", "cuda is not available"))
+if torch.cuda.device_count() <= 3:
+    BAD_LINES.append(("%%ondevice cuda:3\nran = True", "cuda:3 is not available"))
+
+
+@pytest.mark.parametrize(("line", "message"), BAD_LINES)
+def test_bad_input_is_one_usage_error_and_changes_nothing(ip, ns, line, message):
+    before = state(ip)
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert "ran" not in ns and state(ip) == before

@@ -1,0 +1,606 @@
+"""Move what a cell's names hold to a device, all or nothing, losing nothing.
+
+    >>> result = move(user_ns, cell_names(code), torch.device("cuda:0"))
+    >>> result.names, result.nbytes, result.seconds, result.not_followed
+
+Three phases, so that a failure changes nothing:
+
+1. *Plan*: walk the named objects (tensors, modules, optimizers, containers of
+   them) once each, memoised by `id`, and group the tensors by storage.
+2. *Copy*: one copy per storage (a singleton with `.to`, a shared storage as
+   one span of bytes from which every tensor of the group is rebuilt with its
+   own offset, sizes and strides, so views keep sharing storage). On failure
+   the copies are dropped and a `DeviceMagicError` is raised from a frame that
+   holds none of them (a traceback keeps its frames' tensors alive,
+   pytorch#27600).
+3. *Commit*: each tensor gets its copy in place. We swap only the C++ tensor
+   (the last step of `torch.utils.swap_tensors`, under the same guards), so the
+   Python object keeps its identity, class (a Parameter stays a Parameter) and
+   attributes, and every reference sees the move. Where a swap is refused (a
+   weak reference, or another tensor or an autograd graph holding it) we set
+   `.data`; where torch refuses that too (to or from `meta`) the holders we
+   walked are rebound to a new tensor and the others cannot follow: the result
+   lists them. Leaves stay leaves with `requires_grad`, `.grad` is moved and
+   reattached; a tensor with an autograd history arrives without it.
+
+Optimizer state follows its parameters by torch's own rule: `step` stays where
+it is unless the group is `capturable` or `fused`. Nothing here touches
+`torch.cuda` unless a device involved is CUDA.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import gc
+import time
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from weakref import getweakrefcount
+
+import torch
+from torch import Tensor
+
+from .errors import DeviceMagicError
+from .reports import Table
+from .units import fmt_bytes, fmt_seconds
+
+__all__ = ["MoveResult", "cell_names", "move", "restore"]
+
+_BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a progress bar
+_ALIGN = 16  # the largest element size
+_swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
+_OOM = getattr(torch, "OutOfMemoryError", ())
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+# Where a tensor was found, formatted only when a message needs it:
+# a root name, or (parent, key, is_attribute).
+_Where = str | tuple
+
+
+def cell_names(source: str) -> set[str]:
+    """The names a cell's code reads: Name loads (the roots of attribute and subscript chains)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()  # the cell runner reports it
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)  # `x += 1` reads x
+    return names
+
+
+@dataclass
+class MoveResult:
+    """What a move did: bytes per name, time taken, and references that could not follow."""
+
+    device: torch.device
+    names: dict[str, int]
+    seconds: float
+    not_followed: list[str] = field(default_factory=list)
+    _undo: _Undo | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.names.values())
+
+    def table(self) -> Table:
+        title = (
+            f"moved {fmt_bytes(self.nbytes)} to {self.device} in {fmt_seconds(self.seconds)}"
+            if self.names
+            else f"nothing to move to {self.device}"
+        )
+        rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
+        notes = [f"could not follow: {n}" for n in self.not_followed]
+        return Table(title, ("name", "bytes"), rows, notes)
+
+
+@dataclass
+class _Undo:
+    """What `restore` needs: where things came from, or (from meta) the originals."""
+
+    names: list[str]
+    home: dict[int, torch.device]
+    module_home: dict[int, torch.device]
+    originals: list[tuple[Tensor, Tensor]] | None = None
+    rebound: dict[int, Tensor] = field(default_factory=dict)
+    grads: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    optimizer_state: list[tuple[torch.optim.Optimizer, dict]] = field(default_factory=list)
+    values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+
+def move(
+    ns: dict, names: Iterable[str], device: torch.device, *, restorable: bool = False
+) -> MoveResult:
+    """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`)."""
+    device = _canonical(device)
+    names = sorted(n for n in names if n in ns)
+    plan = _Plan(device)
+    plan.walk(ns, names)
+    undo = None
+    if restorable:
+        undo = _Undo(names, {}, plan.module_home)
+        if device.type == "meta":  # nothing comes back from meta: keep the originals
+            undo.originals, undo.grads = [], list(plan.grads)
+            undo.optimizer_state, undo.values = plan.optimizer_snapshots()
+    return _execute(plan, ns, device, undo)
+
+
+def restore(ns: dict, moved: MoveResult) -> MoveResult:
+    """Send back what `move(..., restorable=True)` moved, carrying what was done to it since."""
+    undo = moved._undo
+    if undo is None:
+        raise ValueError("restore() needs the result of move(..., restorable=True)")
+    start = time.perf_counter()
+    if undo.originals is not None:
+        return _put_back_originals(ns, moved, start)
+    plan = _Plan(None, undo)
+    plan.walk(ns, [n for n in undo.names if n in ns])
+    return _execute(plan, ns, None, None)
+
+
+class _Plan:
+    """Phase 1: every tensor to move, found once, grouped by storage and target device."""
+
+    def __init__(self, device: torch.device | None, undo: _Undo | None = None) -> None:
+        # Moving, every tensor goes to `device`; restoring, each goes home and what
+        # was added to a moved module goes with it (what else the cell made stays).
+        self.device = device
+        self.home = undo.home if device is None else None
+        self.module_targets = undo.module_home if device is None else None
+        self.seen: set[int] = set()
+        self.groups: dict[int, list[Tensor]] = {}  # by storage
+        self.targets: list[torch.device] = []  # one per group
+        self.where: dict[int, _Where] = {}
+        self.grads: list[tuple[Tensor, Tensor]] = []
+        self.with_history: list[Tensor] = []
+        self.groups_by_name: list[tuple[str, int, int]] = []
+        self.module_home: dict[int, torch.device] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def walk(self, ns: dict, names: list[str]) -> None:
+        for name in names:
+            first = len(self.groups)
+            self._walk(ns[name], name)
+            self.groups_by_name.append((name, first, len(self.groups)))
+
+    def _walk(self, root: object, name: str) -> None:
+        stack: list[tuple[object, _Where, torch.device | None]] = [(root, name, None)]
+        while stack:
+            obj, where, inherited = stack.pop()
+            if isinstance(obj, Tensor):
+                self._tensor(obj, where, inherited)
+                continue
+            if id(obj) in self.seen:  # containers, modules, optimizers
+                continue
+            self.seen.add(id(obj))
+            if isinstance(obj, torch.nn.Module):
+                self._module(obj, where, inherited)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._optimizer(obj, where, inherited)
+            elif isinstance(obj, (dict, list, tuple)):
+                for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
+                    if isinstance(v, Tensor):
+                        self._tensor(v, (where, k, False), inherited)
+                    elif type(v) not in _SCALARS:  # a list of a million ints stays cheap
+                        stack.append((v, (where, k, False), inherited))
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                for f in dataclasses.fields(obj):
+                    stack.append((getattr(obj, f.name, None), (where, f.name, True), inherited))
+
+    def _tensor(self, t: Tensor, where: _Where, inherited: torch.device | None) -> None:
+        i = id(t)
+        if i in self.where:  # planned already
+            return
+        target = self.device if self.home is None else self.home.get(i, inherited)
+        if target is None or t.device == target:
+            return
+        self.where[i] = where
+        try:
+            key = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            key = i
+        group = self.groups.get(key)
+        if group is None:
+            self.groups[key] = [t]
+            self.targets.append(target)
+        else:
+            group.append(t)
+        if not t.is_leaf:
+            self.with_history.append(t)
+        elif t.grad is not None:
+            self.grads.append((t, t.grad))
+            self._tensor(t.grad, (where, "grad", True), target)
+
+    def _module(self, module: torch.nn.Module, where: _Where, inherited) -> None:
+        if self.module_targets is not None:
+            inherited = self.module_targets.get(id(module), inherited)
+        for prefix, sub in module.named_modules():
+            label = (where, prefix, True) if prefix else where
+            for kind in (sub._parameters, sub._buffers):
+                for k, t in kind.items():
+                    if t is None or _is_lazy(t):
+                        continue
+                    self.module_home.setdefault(id(module), t.device)
+                    self._tensor(t, (label, k, True), inherited)
+
+    def _optimizer(self, opt: torch.optim.Optimizer, where: _Where, inherited) -> None:
+        self.optimizers.append(opt)
+        for g, group in enumerate(opt.param_groups):
+            step_stays = not (group.get("capturable") or group.get("fused"))
+            for k, p in enumerate(group["params"]):
+                self._tensor(p, ((where, "param_groups", True), g, False), inherited)
+                target = self.device if self.home is None else self.home.get(id(p), inherited)
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, Tensor) and not (key == "step" and step_stays):
+                        label = (((where, "state", True), f"<param {g}.{k}>", False), key, False)
+                        self._tensor(value, label, target)
+
+    def group_bytes(self) -> list[int]:
+        """The bytes each group's copy will take."""
+        return [g[0].nbytes if len(g) == 1 else _span(g)[1] for g in self.groups.values()]
+
+    def optimizer_snapshots(self) -> tuple[list, list[tuple[Tensor, Tensor]]]:
+        """Each walked optimizer's state mapping, and a copy of its tensors that stay put."""
+        # A cell on meta still advances the `step` counters left on the CPU.
+        mappings = [(opt, {p: dict(s) for p, s in opt.state.items()}) for opt in self.optimizers]
+        values = [
+            (v, v.clone())
+            for _, state in mappings
+            for s in state.values()
+            for v in s.values()
+            if isinstance(v, Tensor) and id(v) not in self.where
+        ]
+        return mappings, values
+
+
+def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
+    start = time.perf_counter()
+    group_bytes = plan.group_bytes()
+    pairs = _copy_all(plan, group_bytes)
+    if isinstance(pairs, str):
+        raise DeviceMagicError(pairs)  # outside any except block: no tensors ride on it
+    home = undo.home if undo is not None else None
+    if home is not None:
+        for t, _ in pairs:
+            home[id(t)] = t.device
+    history = [
+        f"{_label(plan.where[id(t)])}: moved without its autograd history"
+        for t in plan.with_history
+    ]
+    notes, rebound = _commit(ns, plan.groups_by_name, pairs, plan.where, undo)
+    if home is not None:
+        for old, new in rebound.items():
+            home[id(new)] = home.pop(old)
+    _reattach_grads(plan.grads, rebound)
+    by_name = {name: sum(group_bytes[first:last]) for name, first, last in plan.groups_by_name}
+    target = device if device is not None else _first_target(plan)
+    return MoveResult(
+        target,
+        {name: n for name, n in by_name.items() if n},
+        time.perf_counter() - start,
+        history + notes,
+        undo,
+    )
+
+
+def _first_target(plan: _Plan) -> torch.device:
+    return plan.targets[0] if plan.targets else torch.device("cpu")
+
+
+def _copy_all(plan: _Plan, group_bytes: list[int]) -> list[tuple[Tensor, Tensor]] | str:
+    """Phase 2: (tensor, copy) for every planned tensor, or the one-sentence reason it failed."""
+    pairs: list[tuple[Tensor, Tensor]] = []
+    bar = _progress_bar(sum(group_bytes), _first_target(plan))
+    group: list[Tensor] = []
+    target = None
+    try:
+        with torch.no_grad():
+            for group, target, n in zip(
+                plan.groups.values(), plan.targets, group_bytes, strict=True
+            ):
+                _copy_group(group, target, pairs)
+                if bar is not None:
+                    bar.update(n)
+        return pairs
+    except BaseException as exc:
+        pairs.clear()
+        traceback.clear_frames(exc.__traceback__)  # the frames below hold copies too
+        gc.collect()
+        if target is not None:
+            _empty_cache(target)
+        if not isinstance(exc, Exception):
+            raise  # an interrupt goes on, holding no copies
+        return _failure(plan, group, target, exc)  # out of memory, a dtype, data-less meta
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _copy_group(group: list[Tensor], target: torch.device, pairs: list) -> None:
+    """Copy one storage's tensors to `target`, appending (tensor, copy) to `pairs`."""
+    # A lone tensor is copied directly; tensors sharing a storage as one span of
+    # bytes, on which each is rebuilt at its own offset, so they still share it.
+    if len(group) == 1:
+        t = group[0]
+        new = t.to(target)
+        if t.requires_grad and t.is_leaf:
+            new.requires_grad_(True)
+        pairs.append((t, new))
+        return
+    lo, n = _span(group)
+    first = group[0]
+    src = torch.empty(0, dtype=torch.uint8, device=first.device)
+    src.set_(first.untyped_storage(), lo, (n,), (1,))
+    storage = src.to(target).untyped_storage()
+    for t in group:
+        size = t.element_size()
+        new = torch.empty(0, dtype=t.dtype, device=target)
+        new.set_(storage, t.storage_offset() - lo // size, t.size(), t.stride())
+        if t.requires_grad and t.is_leaf:
+            new.requires_grad_(True)
+        pairs.append((t, new))
+
+
+def _span(group: list[Tensor]) -> tuple[int, int]:
+    """The first byte and the number of bytes of storage that the tensors of `group` use."""
+    lo, hi = None, 0
+    for t in group:
+        size = t.element_size()
+        start = t.storage_offset() * size
+        extent = sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True)) + 1
+        lo = start if lo is None else min(lo, start)
+        hi = max(hi, start + extent * size if t.numel() else start)
+    lo = lo // _ALIGN * _ALIGN  # so that every dtype's offset from it stays whole
+    return lo, hi - lo
+
+
+def _failure(plan: _Plan, group: list[Tensor], target, exc: Exception) -> str:
+    t = group[0]
+    what = _label(plan.where.get(id(t), "a tensor"))
+    size = fmt_bytes(sum(x.nbytes for x in group))
+    if t.device.type == "meta":
+        reason = "it is on the meta device, which holds no data"
+    elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():
+        free = _free_bytes(target)
+        reason = "out of memory" + (f" with {fmt_bytes(free)} free" if free is not None else "")
+    else:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+    return f"Could not move {what} ({size}) to {target}: {reason}; nothing was moved."
+
+
+def _commit(
+    ns: dict,
+    groups_by_name: list[tuple[str, int, int]],
+    pairs: list[tuple[Tensor, Tensor]],
+    where: dict[int, _Where],
+    undo: _Undo | None,
+) -> tuple[list[str], dict[int, Tensor]]:
+    """Phase 3: give every tensor its copy in place; rebind what torch will not change."""
+    originals = undo.originals if undo is not None else None
+    if originals is not None:
+        for t, _ in pairs:
+            alias = t.detach().requires_grad_(t.requires_grad and t.is_leaf)
+            originals.append((t, alias))
+    pending = _swap_all(pairs)
+    notes: list[str] = []
+    replaced: dict[int, Tensor] = {}
+    for t, new in pending:
+        why = _swap_refusal(t) or "torch refused to swap it"
+        if torch._has_compatible_shallow_copy_type(t, new):
+            t.data = new
+            notes.append(
+                f"{_label(where[id(t)])}: moved with .data because {why}; "
+                "views of its old storage and autograd graphs that saved it stay behind"
+            )
+        else:
+            replaced[id(t)] = _like(t, new)
+            notes.append(
+                f"{_label(where[id(t)])}: replaced by a new tensor because {why}; "
+                "references the cell does not name keep the old one"
+            )
+    if replaced:
+        _rebind(ns, [name for name, _, _ in groups_by_name], replaced)
+        if undo is not None:
+            undo.rebound.update({id(replaced[id(t)]): t for t, _ in pending if id(t) in replaced})
+            if originals is not None:
+                originals[:] = [(t, a) for t, a in originals if id(t) not in replaced]
+    return notes, replaced
+
+
+def _swap_all(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Swap each tensor with its copy where allowed, emptying `pairs`; return those refused."""
+    # After a swap the copy holds the old tensor, which may still hold another
+    # (a view its base, a leaf its grad) and block that one's swap: each pass
+    # drops them, so retry while passes make progress.
+    pending = pairs
+    while pending:
+        refused = []
+        for t, new in pending:
+            if _swap_refusal(t) is None and _swapped(t, new):
+                continue  # `new` now holds the old tensor
+            refused.append((t, new))
+        progress = len(refused) < len(pending)
+        pending.clear()
+        pending = refused
+        if not progress:
+            break
+    return pending
+
+
+def _swapped(t: Tensor, new: Tensor) -> bool:
+    try:
+        _swap_impl(t, new)
+    except RuntimeError:  # a C++ weak reference to it
+        return False
+    return True
+
+
+def _swap_refusal(t: Tensor) -> str | None:
+    """Why the C++ tensor under `t` cannot be swapped in place, or None if it can."""
+    if _swap_impl is None:
+        return f"torch {torch.__version__} cannot swap tensors"
+    if getweakrefcount(t):
+        return "a weak reference to it exists"
+    if t._use_count() > 1:
+        return "another tensor or an autograd graph holds it"
+    return None
+
+
+def _like(t: Tensor, new: Tensor) -> Tensor:
+    """`new` as the same kind of object as `t`: Parameter class, attributes, leafness."""
+    if isinstance(t, torch.nn.Parameter):
+        new = type(t)(new.detach(), requires_grad=t.requires_grad)
+    elif type(t) is not Tensor:
+        new = new.as_subclass(type(t))
+    new.__dict__.update(t.__dict__)
+    return new
+
+
+def _rebind(ns: dict, names: list[str], replaced: dict[int, Tensor]) -> None:
+    """Point every holder reachable from `names` at the replacements (tuples are rebuilt)."""
+    memo: dict[int, object] = {}
+    for name in names:
+        if name in ns:
+            ns[name] = _rebound(ns[name], replaced, memo)
+
+
+def _rebound(obj: object, replaced: dict[int, Tensor], memo: dict[int, object]) -> object:
+    i = id(obj)
+    if i in replaced:
+        return replaced[i]
+    if i in memo or isinstance(obj, Tensor):
+        return memo.get(i, obj)
+    memo[i] = obj
+
+    def sub(v: object) -> object:
+        return _rebound(v, replaced, memo)
+
+    if isinstance(obj, torch.nn.Module):
+        for m in obj.modules():
+            for kind in (m._parameters, m._buffers):
+                for k, t in kind.items():
+                    if id(t) in replaced:
+                        kind[k] = replaced[id(t)]
+    elif isinstance(obj, torch.optim.Optimizer):
+        for group in obj.param_groups:
+            group["params"][:] = [sub(p) for p in group["params"]]
+        for p in [p for p in obj.state if id(p) in replaced]:
+            obj.state[replaced[id(p)]] = obj.state.pop(p)
+        for state in obj.state.values():
+            sub(state)
+    elif isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            if (new := sub(v)) is not v:
+                obj[k] = new
+    elif isinstance(obj, list):
+        for k, v in enumerate(obj):
+            if (new := sub(v)) is not v:
+                obj[k] = new
+    elif isinstance(obj, tuple):
+        items = [sub(v) for v in obj]
+        if any(a is not b for a, b in zip(items, obj, strict=True)):
+            memo[i] = type(obj)._make(items) if hasattr(obj, "_fields") else type(obj)(items)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name, None)
+            if (new := sub(v)) is not v:
+                object.__setattr__(obj, f.name, new)  # frozen dataclasses too
+    return memo[i]
+
+
+def _reattach_grads(grads: list[tuple[Tensor, Tensor]], replaced: dict[int, Tensor]) -> None:
+    for t, g in grads:
+        replaced.get(id(t), t).grad = replaced.get(id(g), g)
+
+
+def _put_back_originals(ns: dict, moved: MoveResult, start: float) -> MoveResult:
+    """Restore from a data-less device: the original tensors come back as they were."""
+    undo = moved._undo
+    refused = _swap_all(undo.originals)
+    undo.originals = None
+    replaced = {id(t): _like(t, orig) for t, orig in refused}
+    replaced.update(undo.rebound)
+    if replaced:
+        _rebind(ns, undo.names, replaced)
+    _reattach_grads(undo.grads, replaced)
+    for opt, state in undo.optimizer_state:
+        opt.state.clear()
+        opt.state.update({p: dict(s) for p, s in state.items()})
+    with torch.no_grad():
+        for t, value in undo.values:
+            t.copy_(value)
+    notes = [
+        f"a tensor of {fmt_bytes(t.nbytes)} came back as a new object: "
+        f"{_swap_refusal(t) or 'torch refused to swap it'}"
+        for t, _ in refused
+    ]
+    return MoveResult(
+        next(iter(undo.home.values()), torch.device("cpu")),
+        dict(moved.names),
+        time.perf_counter() - start,
+        notes,
+    )
+
+
+def _label(where: _Where) -> str:
+    if isinstance(where, str):
+        return where
+    parent, key, is_attr = where
+    return f"{_label(parent)}.{key}" if is_attr else f"{_label(parent)}[{key!r}]"
+
+
+def _is_lazy(t: Tensor) -> bool:
+    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:0` (the current one), so that tensors already there are not copied."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        device = torch.empty(0, device=device).device
+    return device
+
+
+def _progress_bar(total_bytes: int, target: torch.device):  # -> tqdm | None
+    """A bar in bytes for moves long enough to wait for; gone when done (leave=False)."""
+    if total_bytes < _BAR_MIN_BYTES:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+        desc=f"moving to {target}",
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Free memory on `device` where torch or the OS says, else None."""
+    try:
+        if device.type == "cpu":
+            import psutil
+
+            return psutil.virtual_memory().available
+        if device.type == "mps":
+            return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+        backend = getattr(torch, device.type, None)
+        if hasattr(backend, "mem_get_info"):
+            return backend.mem_get_info(device)[0]
+    except Exception:  # a probe that fails only loses the figure
+        return None
+    return None
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type not in ("cpu", "meta"):
+        backend = getattr(torch, device.type, None)
+        if hasattr(backend, "empty_cache"):
+            backend.empty_cache()

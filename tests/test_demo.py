@@ -7,6 +7,7 @@ import re
 
 import nbformat
 import pytest
+import torch
 from kernel import REPORT_LINE, ROOT, texts
 
 from torch_device_magic.magics import TorchDeviceMagics
@@ -51,8 +52,9 @@ def test_it_uses_every_magic(stored):
     source = "\n".join(c.source for c in code_cells(stored))
     as_cell = set(re.findall(r"^%%(\w+)", source, re.M))
     as_line = set(re.findall(r"^%(\w+)", source, re.M))
-    assert set(TorchDeviceMagics.magics["cell"]) - as_cell == set()
-    assert set(TorchDeviceMagics.magics["line"]) - as_line == set()
+    cell_magics = set(TorchDeviceMagics.magics["cell"])
+    assert cell_magics - as_cell == set()
+    assert set(TorchDeviceMagics.magics["line"]) - cell_magics - as_line == set()
 
 
 def test_it_runs_through_with_no_error_output(ran):
@@ -68,14 +70,27 @@ def test_every_cell_after_loading_shows_a_report_line(ran):
         assert REPORT_LINE.search(texts(cell)), f"no report line under {cell.source!r}"
 
 
+def ran_on(nb: nbformat.NotebookNode) -> str:
+    """The device that the demo's closing cell says it ran on."""
+    found = re.search(r"This notebook ran on (\S+?)[,:]", shown(nb, "where"))
+    assert found, shown(nb, "where")
+    return found[1]
+
+
 def test_it_says_which_device_it_chose_and_where_it_ran(ran):
     chose = shown(ran, "auto").splitlines()[0]
-    ran_on = re.search(r"This notebook ran on (\S+?)[,:]", shown(ran, "where"))
-    assert chose.startswith("device = ") and ran_on, (chose, shown(ran, "where"))
+    assert chose.startswith("device = "), chose
     if chose.endswith("using the CPU"):
-        assert ran_on[1] == "cpu"
+        assert ran_on(ran) == "cpu"
     else:
-        assert chose.startswith(f"device = {ran_on[1]} ")
+        assert chose.startswith(f"device = {ran_on(ran)} ")
+
+
+def test_the_model_its_optimizer_and_the_data_moved_together(ran):
+    dev = ran_on(ran)
+    assert f"model: {dev} | optimizer state: {dev} | data: {dev}" in shown(ran, "moved")
+    assert "torch.from_numpy: cpu" in shown(ran, "factories")
+    assert repr(torch.device(dev)) in shown(ran, "ondevice")  # the cell ran there
 
 
 def test_what_the_tutorial_teaches_is_what_happens(ran):

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Bool, observe
+from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, moving
+from . import cells, gpumem, moving
 from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
 from .errors import DeviceMagicError
 from .hooks import CellReporter
@@ -52,7 +52,7 @@ def parse(magic: Callable, line: str) -> Any:
 
 @magics_class
 class TorchDeviceMagics(Magics):
-    """PyTorch device magics: %device, %%ondevice, %%nograd and the per-cell report."""
+    """PyTorch device magics: %device, %%ondevice, %%nograd, %%gpumem and the per-cell report."""
 
     set_torch_default = Bool(
         True,
@@ -61,13 +61,56 @@ class TorchDeviceMagics(Magics):
         "DataLoader(shuffle=True) on a non-CPU default; set False to only bind `device`.",
     ).tag(config=True)
 
+    auto_report = Bool(
+        True,
+        help="Show one line after every cell: wall time, device time, device and host "
+        "memory change and peak (%devreport on|off).",
+    ).tag(config=True)
+    report_min_seconds = Float(
+        0.0,
+        help="Show the per-cell line only for cells that take at least this long "
+        "(0 = unset; with both thresholds unset every cell is shown).",
+    ).tag(config=True)
+    report_min_bytes = Int(
+        0,
+        help="Show the per-cell line only for cells whose memory change or peak, on the "
+        "device or the host, reaches this many bytes (0 = unset).",
+    ).tag(config=True)
+    sync = Bool(
+        True,
+        help="Synchronise the accelerator before stopping a cell's clock, so that queued "
+        "kernels count. Only done where a CUDA context (or other runtime) already exists.",
+    ).tag(config=True)
+
     def __init__(self, shell: Any) -> None:
         # State first: traits set in ipython_config.py fire observers during super().__init__.
-        self.session_device: torch.device | None = None
         self.reporter = CellReporter()
+        self.session_device: torch.device | None = None
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
         super().__init__(shell=shell)
+
+    @validate("report_min_seconds", "report_min_bytes")
+    def _not_negative(self, proposal: Any) -> Any:
+        if proposal.value < 0:
+            raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
+        return proposal.value
+
+    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync")
+    def _report_settings_changed(self, change: Any) -> None:
+        self.apply_report_settings()
+
+    def apply_report_settings(self) -> None:
+        """Hand the report traits to the reporter; hook it on or off per `auto_report`."""
+        reporter = self.reporter
+        reporter.min_seconds, reporter.min_bytes = self.report_min_seconds, self.report_min_bytes
+        reporter.sync = self.sync
+        if self.shell is None:
+            return
+        if self.auto_report and not reporter.registered:
+            reporter.register(self.shell)
+        elif not self.auto_report and reporter.registered:
+            reporter.unregister(self.shell)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
@@ -287,12 +330,101 @@ class TorchDeviceMagics(Magics):
             self._grad_before_nograd = None
             print("autograd is back on")
 
+    @magic_arguments()
+    @argument("mode", nargs="?", default="status", help="on, off, or status (the default)")
+    @line_magic
+    @user_errors
+    def devreport(self, line: str) -> None:
+        """Turn the line after every cell on or off, or say how it is set.
+
+        In [1]: %devreport off
+        per-cell report: off (every cell; synchronise: on); 12 cells in the history (%devhistory)
+
+        The line shows wall time, device time (where the cell did accelerator
+        work), device allocated change and peak, and host RSS change and peak.
+        With `report_min_seconds` or `report_min_bytes` set (0 = unset), only
+        cells reaching one of them are shown; every measured cell is kept in the
+        history, shown or not. The device is synchronised before the clock stops
+        only where its runtime is already up (`sync`); no CUDA context is ever
+        created. Same as `%config TorchDeviceMagics.auto_report = True/False`.
+        """
+        args = parse(self.devreport, line)
+        if args.mode not in ("on", "off", "status"):
+            raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r}")
+        if args.mode != "status":
+            self.auto_report = args.mode == "on"
+        print(self.reporter.status())
+
+    @magic_arguments()
+    @argument("-o", dest="output", action="store_true",
+              help="return the report object instead of the cell's value (fields wall_s, "
+              "device_s, device_delta_bytes, device_peak_bytes, device_reserved_delta_bytes, "
+              "host_delta_bytes, host_peak_bytes; None where not measured)")
+    @argument("-q", dest="quiet", action="store_true", help="do not display the report")
+    @argument("--device", help="the accelerator to measure (default: the session device if "
+              "it is one, else the current device of the runtime in use)")
+    @cell_magic
+    @user_errors
+    def gpumem(self, line: str, cell: str) -> Any:
+        """Run the cell and report what it did to accelerator memory.
+
+        In [1]: %%gpumem
+           ...: y = model(x)
+
+        Shows allocated before -> after, the peak above the start (the
+        process-wide peak counter is reset for this), the allocator cache
+        (reserved) change, device-wide used memory from NVML (the CUDA context
+        and other processes included), wall time with the device synchronised,
+        host RSS change and peak, and the five largest tensors bound to names
+        the cell created or rebound. Without an accelerator in use (or with
+        `--device cpu`) it says so and reports host memory only. The cell is
+        not reported a second time by the per-cell line. `-o` makes the report
+        the cell's output instead of its last value (as `%%timeit -o` does);
+        `-q` leaves only that output. A cell that raises shows no report.
+        """
+        __tracebackhide__ = True
+        args = parse(self.gpumem, line)
+        report, value = gpumem.measure(self.shell, cell, args.device)
+        self.reporter.adopt(report)
+        if args.output:
+            return report
+        if not args.quiet:
+            display(report)
+        return value
+
+    @magic_arguments()
+    @argument("-o", dest="output", action="store_true", help="return the records")
+    @argument("--csv", metavar="PATH", help="write the records to a CSV file")
+    @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib)")
+    @line_magic
+    @user_errors
+    def devhistory(self, line: str) -> Any:
+        """Show, return, save or plot what the per-cell report measured.
+
+        In [1]: %devhistory --csv cells.csv
+        wrote 12 records to cells.csv
+
+        Records carry the `%%gpumem -o` fields plus `cell`; the last 1000
+        measured cells are kept. `--plot` needs matplotlib.
+        """
+        args = parse(self.devhistory, line)
+        history = self.reporter.history
+        if args.csv:
+            print(f"wrote {history.write_csv(args.csv)} records to {args.csv}")
+        if args.plot:
+            display(history.plot())
+        if args.output:
+            return history.records()
+        if not (args.csv or args.plot):
+            display(history.table())
+        return None
+
 
 def load(ip: Any) -> None:
     """Register the magics and the per-cell hooks on `ip`."""
     magics = TorchDeviceMagics(ip)
     ip.register_magics(magics)
-    magics.reporter.register(ip)
+    magics.apply_report_settings()
 
 
 def unload(ip: Any) -> None:

@@ -1,0 +1,333 @@
+"""The per-cell report, %devreport, %%gpumem and %devhistory, through a fresh shell."""
+
+from __future__ import annotations
+
+import csv
+import sys
+import weakref
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from traitlets import TraitError
+
+from torch_device_magic import probes
+from torch_device_magic.gpumem import GpumemReport
+from torch_device_magic.history import History
+from torch_device_magic.hooks import CellReporter, is_ours
+from torch_device_magic.measure import Measurement, Meter
+
+MiB = 2**20
+FIELDS = [
+    "wall_s", "device_s", "device_delta_bytes", "device_peak_bytes",
+    "device_reserved_delta_bytes", "host_delta_bytes", "host_peak_bytes",
+]
+NO_ACCELERATOR = probes.active_accelerator() is None
+
+
+def report_lines(out: str) -> list[str]:
+    """The per-cell report's lines in printed output."""
+    return [line for line in out.splitlines() if line.startswith("time ")]
+
+
+def magics(ip):
+    return ip.magics_manager.registry["TorchDeviceMagics"]
+
+
+def history(ip) -> list[Measurement]:
+    return magics(ip).reporter.history.records()
+
+
+def run(ip, cell: str):
+    """Run a cell as a notebook does: numbered, in the history."""
+    return ip.run_cell(cell, store_history=True)
+
+
+def test_every_cell_gets_one_line_and_a_numbered_record(ip, capsys):
+    capsys.readouterr()
+    n = ip.execution_count
+    run(ip, "a = 1")
+    out = capsys.readouterr().out
+    assert len(report_lines(out)) == 1 and "host" in out
+    record = history(ip)[-1]
+    assert record.cell == n
+    assert record.wall_s > 0
+
+
+def test_blank_cells_and_the_loading_cell_are_not_reported(shell, capsys):
+    run(shell, "%load_ext torch_device_magic")
+    run(shell, "")
+    run(shell, "   \n")
+    assert not report_lines(capsys.readouterr().out)
+    assert history(shell) == []
+
+
+def test_transient_peak_in_the_automatic_record(ip):
+    run(ip, "x = torch.ones(512 * 2**20, dtype=torch.uint8); del x")
+    record = history(ip)[-1]
+    assert record.host_peak_bytes == pytest.approx(512 * MiB, rel=0.10)
+    assert abs(record.host_delta_bytes) < 0.10 * 512 * MiB
+
+
+def test_transient_peak_in_gpumem_output(ip):
+    report = run(ip, "%%gpumem -o\nx = torch.ones(512 * 2**20, dtype=torch.uint8); del x").result
+    assert isinstance(report, GpumemReport)
+    assert report.host_peak_bytes == pytest.approx(512 * MiB, rel=0.10)
+    assert abs(report.host_delta_bytes) < 0.10 * 512 * MiB
+
+
+def test_kept_allocation_is_the_recorded_delta(ip):
+    run(ip, "kept = torch.ones(256 * 2**20, dtype=torch.uint8)")
+    assert history(ip)[-1].host_delta_bytes == pytest.approx(256 * MiB, rel=0.10)
+
+
+@pytest.mark.skipif(not NO_ACCELERATOR, reason="an accelerator runtime is up")
+def test_without_an_accelerator_device_fields_are_none(ip, capsys):
+    report = run(ip, "%%gpumem -o\ny = torch.zeros(10)").result
+    record = history(ip)[-1]
+    for measured in (report, record):
+        assert measured.device is None
+        assert all(getattr(measured, f) is None for f in FIELDS if f.startswith("device"))
+    run(ip, "%%gpumem\nz = torch.zeros(10)")
+    out = capsys.readouterr().out
+    assert "no accelerator in use" in out and "host RSS" in out
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        "%devreport off",
+        "%config TorchDeviceMagics.auto_report = False",
+        "%config TorchDeviceMagics.report_min_seconds = 60",
+        "%config TorchDeviceMagics.report_min_bytes = 2**40",
+    ],
+)
+def test_switches_silence_the_report(ip, capsys, switch):
+    run(ip, switch)
+    capsys.readouterr()
+    run(ip, "b = 2")
+    assert not report_lines(capsys.readouterr().out)
+
+
+def test_devreport_turns_it_back_on_and_says_how_it_is_set(ip, capsys):
+    run(ip, "%devreport off")
+    assert "per-cell report: off" in capsys.readouterr().out
+    run(ip, "%devreport on")
+    run(ip, "c = 3")
+    out = capsys.readouterr().out
+    assert "per-cell report: on" in out and len(report_lines(out)) == 1
+    run(ip, "%config TorchDeviceMagics.report_min_seconds = 2.5")
+    run(ip, "%devreport status")
+    assert "cells reaching at least 2.50 s" in capsys.readouterr().out
+
+
+def test_thresholds_show_only_cells_that_reach_one(ip, capsys):
+    run(ip, "%config TorchDeviceMagics.report_min_bytes = 16 * 2**20")
+    capsys.readouterr()
+    run(ip, "small = torch.ones(10)")
+    assert not report_lines(capsys.readouterr().out)
+    run(ip, "big = torch.ones(32 * 2**20, dtype=torch.uint8)")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+    assert len(history(ip)) == 3  # hidden cells are still recorded
+
+
+def test_hidden_cells_are_not_formatted(ip, capsys, monkeypatch):
+    run(ip, "%config TorchDeviceMagics.report_min_seconds = 60")
+
+    def formatting(self):
+        raise AssertionError("formatted a hidden cell")
+
+    monkeypatch.setattr(Measurement, "summary", formatting)
+    run(ip, "d = 4")
+    out = capsys.readouterr()
+    assert "formatted" not in out.out + out.err
+    assert history(ip)[-1].wall_s > 0
+
+
+def test_bad_threshold_is_refused(ip):
+    with pytest.raises(TraitError):
+        magics(ip).report_min_seconds = -1
+    magics(ip).sync = False
+    assert magics(ip).reporter.sync is False
+
+
+def test_a_gpumem_cell_is_reported_once(ip, capsys):
+    capsys.readouterr()
+    run(ip, "%%gpumem\ne = torch.ones(1000)")
+    out = capsys.readouterr().out
+    assert out.count("%%gpumem") == 1
+    assert not report_lines(out)
+    assert isinstance(history(ip)[-1], GpumemReport)
+
+
+def test_gpumem_names_the_largest_new_tensors_and_returns_the_value(ip, capsys):
+    run(ip, "old = torch.ones(10**6)")
+    result = run(ip, "%%gpumem\nbig = torch.ones(1000, 1000)\nsmall = torch.ones(3)\n40 + 2")
+    assert result.result == 42
+    out = capsys.readouterr().out
+    table = out[out.index("largest tensors") :]
+    assert table.index("big") < table.index("small")
+    assert "old" not in table
+    assert "(1000, 1000)" in table and "float32" in table
+
+
+def test_gpumem_quiet_shows_nothing(ip, capsys):
+    run(ip, "%%gpumem -q\nf = 1")
+    assert capsys.readouterr().out == ""
+
+
+def test_gpumem_output_has_the_spec_fields(ip):
+    report = run(ip, "%%gpumem -o --device cpu\ng = torch.ones(10)").result
+    assert all(hasattr(report, f) for f in FIELDS)
+    assert report.wall_s > 0 and report.device is None
+
+
+def test_no_references_are_held(ip):
+    run(ip, "x = torch.ones(10**6)")
+    ref = weakref.ref(ip.user_ns["x"])
+    run(ip, "%%gpumem\ny = x * 2")
+    run(ip, "%%gpumem -o\nz = x.sum()")
+    run(ip, "%devhistory")
+    run(ip, "%devhistory -o")
+    run(ip, "del x")
+    assert ref() is None
+
+
+def test_devhistory_table_records_csv(ip, capsys, tmp_path):
+    run(ip, "h = torch.ones(100)")
+    run(ip, "%devhistory")
+    assert "per-cell history" in capsys.readouterr().out
+    records = run(ip, "%devhistory -o").result
+    assert all(hasattr(records[0], f) for f in [*FIELDS, "cell"])
+    path = tmp_path / "cells.csv"
+    run(ip, f"%devhistory --csv {path}")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(history(ip)) - 1  # the --csv cell is recorded after it wrote
+    assert set(FIELDS) <= set(rows[0]) and "cell" in rows[0]
+    assert rows[0]["device_delta_bytes"] == ""  # not measured is empty, not 0
+    assert float(rows[0]["wall_s"]) > 0
+
+
+def test_devhistory_plot_without_matplotlib_says_so(ip, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(UsageError, match="--plot needs matplotlib"):
+        run(ip, "%devhistory --plot")
+
+
+def test_devhistory_plot_draws_time_and_memory(ip):
+    pytest.importorskip("matplotlib")
+    run(ip, "p = 1")
+    fig = History.plot(magics(ip).reporter.history)
+    assert len(fig.axes) == 2
+
+
+def test_history_is_bounded():
+    kept = History(maxlen=3)
+    for n in range(10):
+        kept.append(Measurement(0.1, cell=n))
+    assert [r.cell for r in kept] == [7, 8, 9]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("%%gpumem --bogus\nx = 1", "%gpumem: unrecognized arguments: --bogus"),
+        ("%%gpumem --device banana\nx = 1", "'banana' is not a device"),
+        ("%devhistory --csv", "%devhistory: argument --csv: expected one argument"),
+        ("%devreport maybe", "%devreport takes on, off or status, not 'maybe'"),
+    ],
+)
+def test_bad_input_is_one_usage_error(ip, line, message):
+    before = dict(ip.user_ns)
+    with pytest.raises(UsageError) as err:
+        run(ip, line)
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(message)
+    assert "x" not in ip.user_ns or ip.user_ns["x"] is before.get("x")
+
+
+def test_a_failing_probe_prints_no_traceback_and_says_what_is_missing(ip, capsys, monkeypatch):
+    def broken(*args):
+        raise OSError("proc went away")
+
+    monkeypatch.setattr(probes.os, "pread", broken)
+    monkeypatch.setattr(probes, "rss_bytes", lambda: None)
+    run(ip, "i = 1")
+    out = capsys.readouterr()
+    assert "host n/a" in out.out
+    assert "Traceback" not in out.out + out.err
+    assert history(ip)[-1].host_peak_bytes is None
+
+
+def test_a_fault_in_the_reporter_is_one_line(ip, capsys, monkeypatch):
+    def boom(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Meter, "stop", boom)
+    run(ip, "j = 1")
+    out = capsys.readouterr()
+    assert "torch_device_magic could not measure: RuntimeError: boom" in out.out
+    assert "Traceback" not in out.out + out.err
+    assert ip.user_ns["j"] == 1
+
+
+def test_an_older_instances_callbacks_are_dropped(ip):
+    stale = CellReporter()
+    ip.events.register("pre_run_cell", stale.pre_run_cell)
+    ip.events.register("post_run_cell", stale.post_run_cell)
+    run(ip, "%reload_ext torch_device_magic")
+    callbacks = [cb for e in ("pre_run_cell", "post_run_cell") for cb in ip.events.callbacks[e]]
+    assert sum(is_ours(cb) for cb in callbacks) == 2
+    assert all(cb.__self__ is not stale for cb in callbacks if is_ours(cb))
+
+
+class CudaSpy:
+    """Records every torch.cuda / torch.accelerator function called through the module."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for module in (torch.cuda, torch.accelerator):
+            for name in dir(module):
+                obj = getattr(module, name)
+                if name.startswith("_") or not callable(obj) or isinstance(obj, type(torch)):
+                    continue
+                monkeypatch.setattr(module, name, self._wrap(f"{module.__name__}.{name}", obj))
+
+    def _wrap(self, name, fn):
+        def spy(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+
+        return spy
+
+
+def test_loading_and_reporting_never_ask_cuda(shell, monkeypatch):
+    if torch.cuda.is_initialized():
+        pytest.skip("this session already uses CUDA")
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")  # as a CUDA build
+    spy = CudaSpy(monkeypatch)
+    run(shell, "%load_ext torch_device_magic")
+    run(shell, "x = torch.ones(1000); y = x * 2")
+    run(shell, "%%gpumem\nz = x + 1")
+    run(shell, "%devhistory")
+    run(shell, "%devreport status")
+    assert set(spy.calls) <= {"torch.cuda.is_initialized"}
+    assert "torch.cuda.is_initialized" in spy.calls  # the guard itself was exercised
+
+
+@pytest.mark.parametrize(
+    ("setting", "status"),
+    [("auto_report = False", "per-cell report: off"), ("report_min_seconds = 60.0", "1 min")],
+)
+def test_report_traits_from_ipython_config(tmp_path, setting, status):
+    from test_config_file import run_ipython
+
+    config = (
+        'c.InteractiveShellApp.extensions = ["torch_device_magic"]\n'
+        f"c.TorchDeviceMagics.{setting}\n"
+    )
+    out = run_ipython(tmp_path, config, "x = 1\n%devreport status")
+    assert status in out
+    assert not report_lines(out)

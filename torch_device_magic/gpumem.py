@@ -1,0 +1,138 @@
+"""What one cell did to accelerator memory: the engine of `%%gpumem`.
+
+    In [4]: %%gpumem
+       ...: y = model(x)
+    %%gpumem cuda:0 (NVIDIA H200)
+    measure                  value
+    -----------------------  ---------------------------------
+    wall time                212.4 ms (device synchronised)
+    device time              211.9 ms
+    allocated                1.2 GiB -> 2.2 GiB (+1.0 GiB)
+    ...
+
+It measures with the same `Meter` as the per-cell report, always synchronised,
+adds the NVML figure for the whole device and names the largest tensors the
+cell bound in the namespace. It remembers only names and `id`s of what was
+there before, never the objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import cells
+from .devices import parse
+from .measure import Measurement, Meter
+from .probes import active_accelerator, nvml_used_bytes
+from .reports import Table
+from .units import fmt_bytes, fmt_seconds
+
+TENSORS_SHOWN = 5
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    """One tensor the cell left in the namespace: its name and what it occupies."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    bytes: int
+
+
+@dataclass(slots=True)
+class GpumemReport(Measurement):
+    """The `%%gpumem` report: the `Measurement` fields plus NVML and the largest tensors."""
+
+    device_description: str | None = None  # 'cuda:0 (NVIDIA H200)'
+    nvml_used_bytes: int | None = None  # device-wide, all processes and the context
+    tensors: list[TensorInfo] = field(default_factory=list)
+
+    def tables(self) -> list[Table]:
+        """The measures, then the largest new tensors (when the cell left any)."""
+        host = (
+            f"{fmt_bytes(self.host_delta_bytes, signed=True)}, "
+            f"peak {fmt_bytes(self.host_peak_bytes)} above the start"
+        )
+        if self.device is None:
+            title = "%%gpumem: no accelerator in use, so host memory only"
+            rows = [["wall time", fmt_seconds(self.wall_s)], ["host RSS", host]]
+        else:
+            title = f"%%gpumem {self.device_description or self.device}"
+            rows = [
+                ["wall time", f"{fmt_seconds(self.wall_s)} (device synchronised)"],
+                ["device time", fmt_seconds(self.device_s)],
+                ["allocated", self._allocated()],
+                ["peak", f"{fmt_bytes(self.device_peak_bytes)} above the start"],
+                ["reserved (cache)", fmt_bytes(self.device_reserved_delta_bytes, signed=True)],
+                ["device used (NVML)", f"{fmt_bytes(self.nvml_used_bytes)} (all processes)"],
+                ["host RSS", host],
+            ]
+        out = [Table(title, ["measure", "value"], rows)]
+        if self.tensors:
+            out.append(
+                Table(
+                    "largest tensors the cell left in the namespace",
+                    ["name", "shape", "dtype", "device", "size"],
+                    [
+                        [t.name, tuple(t.shape), t.dtype, t.device, fmt_bytes(t.bytes)]
+                        for t in self.tensors
+                    ],
+                )
+            )
+        return out
+
+    def _allocated(self) -> str:
+        after, delta = self.device_allocated_bytes, self.device_delta_bytes
+        before = None if after is None or delta is None else after - delta
+        return f"{fmt_bytes(before)} -> {fmt_bytes(after)} ({fmt_bytes(delta, signed=True)})"
+
+    def __str__(self) -> str:
+        return "\n\n".join(t.text() for t in self.tables())
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        return {"text/plain": str(self), "text/html": "".join(t.html() for t in self.tables())}
+
+
+def tensor_ids(namespace: dict[str, Any]) -> dict[str, int]:
+    """`{name: id(tensor)}` for the tensors a namespace binds (no reference kept)."""
+    return {k: id(v) for k, v in namespace.items() if isinstance(v, torch.Tensor)}
+
+
+def new_tensors(
+    namespace: dict[str, Any], before: dict[str, int], limit: int = TENSORS_SHOWN
+) -> list[TensorInfo]:
+    """The largest tensors bound to names that are new or rebound since `before`."""
+    found = [
+        TensorInfo(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), str(v.device),
+                   v.element_size() * v.numel())
+        for k, v in namespace.items()
+        if isinstance(v, torch.Tensor) and before.get(k) != id(v) and not k.startswith("_")
+    ]
+    return sorted(found, key=lambda t: t.bytes, reverse=True)[:limit]
+
+
+def measure(shell: Any, cell: str, device: str | None = None) -> tuple[GpumemReport, Any]:
+    """Run `cell` as the shell would, measured; the report and the cell's value."""
+    __tracebackhide__ = True
+    target = None if device is None else parse(device)
+    before = tensor_ids(shell.user_ns)
+    meter = Meter(sync=True)
+    meter.start(target)
+    try:
+        value = cells.run(shell, cell)
+        measured = meter.stop()
+    finally:
+        meter.close()
+    accel = None if measured.device is None else active_accelerator(measured.device)
+    report = GpumemReport(
+        **measured.as_dict(),
+        device_description=None if accel is None else accel.description(),
+        nvml_used_bytes=nvml_used_bytes(accel),
+        tensors=new_tensors(shell.user_ns, before),
+    )
+    return report, value

@@ -1,0 +1,115 @@
+"""The per-cell records behind `%devhistory`: a bounded table, a CSV, a plot.
+
+    In [9]: %devhistory
+    per-cell history: 3 cells (the last 1000 are kept)
+    cell  time     device time  device Δ   device peak  host Δ    host peak
+    ...
+
+Only the most recent `maxlen` records are kept, so a session of any length holds
+a fixed amount of memory. A record holds numbers and strings, never a user object.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import DeviceMagicError
+from .measure import Measurement
+from .reports import Table
+from .units import fmt_bytes, fmt_seconds
+
+HEADERS = [
+    "cell", "time", "device time", "device", "device Δ", "device peak", "host Δ", "host peak"
+]
+
+
+class History:
+    """The last `maxlen` measured cells, oldest first."""
+
+    def __init__(self, maxlen: int = 1000) -> None:
+        self._records: deque[Measurement] = deque(maxlen=maxlen)
+
+    def append(self, record: Measurement) -> None:
+        self._records.append(record)
+
+    @property
+    def maxlen(self) -> int:
+        return self._records.maxlen or 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[Measurement]:
+        return iter(self._records)
+
+    def records(self) -> list[Measurement]:
+        """A list of the kept records (what `%devhistory -o` returns)."""
+        return list(self._records)
+
+    def table(self) -> Table:
+        """Every kept record as a row of human units."""
+        rows = [
+            [
+                "" if r.cell is None else r.cell,
+                fmt_seconds(r.wall_s),
+                fmt_seconds(r.device_s),
+                r.device or "-",
+                fmt_bytes(r.device_delta_bytes, signed=True),
+                fmt_bytes(r.device_peak_bytes),
+                fmt_bytes(r.host_delta_bytes, signed=True),
+                fmt_bytes(r.host_peak_bytes),
+            ]
+            for r in self._records
+        ]
+        title = f"per-cell history: {len(rows)} cells (the last {self.maxlen} are kept)"
+        notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
+        return Table(title, HEADERS, rows, notes)
+
+    def write_csv(self, path: str) -> int:
+        """Write every kept record to `path` (raw numbers, empty where not measured)."""
+        names = Measurement.field_names()
+        try:
+            with open(path, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(names)
+                for r in self._records:
+                    values = (getattr(r, n) for n in names)
+                    writer.writerow(["" if v is None else v for v in values])
+        except OSError as err:
+            raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from None
+        return len(self._records)
+
+    def plot(self) -> Any:
+        """A matplotlib figure of time and memory per cell (matplotlib is optional)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise DeviceMagicError(
+                "--plot needs matplotlib, which is not installed: "
+                "pip install matplotlib (or torch-device-magic[plot])"
+            ) from None
+        if not self._records:
+            raise DeviceMagicError("nothing to plot yet: no cell has been measured")
+        cells = [r.cell if r.cell is not None else i for i, r in enumerate(self._records)]
+        fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
+        top.plot(cells, [r.wall_s for r in self._records], ".-", label="wall")
+        top.plot(cells, [_or_nan(r.device_s) for r in self._records], ".-", label="device")
+        top.set_ylabel("seconds")
+        mib = 2**20
+        for name, label in (("host_peak_bytes", "host peak"), ("device_peak_bytes", "device peak")):
+            values = [_or_nan(getattr(r, name)) / mib for r in self._records]
+            bottom.plot(cells, values, ".-", label=label)
+        bottom.set_ylabel("MiB above the cell's start")
+        bottom.set_xlabel("cell")
+        for ax in (top, bottom):
+            ax.legend(loc="upper left")
+        fig.tight_layout()
+        plt.close(fig)  # shown once, by whoever displays it, not again by the inline backend
+        return fig
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else float(value)

@@ -1,0 +1,416 @@
+"""Instruments: clocks, accelerator allocator counters, NVML, host RSS and its peak.
+
+Design rules, which every function here keeps:
+
+- A reading that cannot be taken is `None`. Nothing here raises, and nothing
+  reports a zero it did not read.
+- Nothing here starts an accelerator runtime. CUDA is read only once
+  `torch.cuda.is_initialized()` says a context exists. On a CPU-only build
+  (`torch.version.cuda is None`), torch.cuda is not called at all. NVML needs no
+  CUDA context.
+- On Linux the host peak is exact and costs a few cheap system calls per cell:
+  `/proc/self/clear_refs` resets the kernel's high-water mark before the cell
+  and the mark is read after it, from files kept open. Where `/proc` refuses,
+  a sampling thread stands in.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Protocol
+
+import torch
+
+try:
+    import resource
+except ImportError:  # Windows: no /proc either, so the sampling thread measures
+    resource = None
+
+from .devices import torch_default_device
+
+clock = time.perf_counter
+"""The wall clock every measurement uses (monotonic, sub-microsecond)."""
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, or None if it raises: a probe never breaks the user's cell."""
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+# --- host memory ----------------------------------------------------------------
+
+
+class HostProbe(Protocol):
+    """Host RSS change and peak between `start()` and `stop()`."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> tuple[int | None, int | None]:
+        """(RSS delta, peak above the starting RSS) in bytes; None where not measured."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ProcHighWater:
+    """Exact host peak on Linux: reset the kernel's high-water mark before, read it after.
+
+    Four cheap system calls a cell, on files kept open: the reset (`clear_refs`)
+    and RSS (`statm`) before; the high-water mark (`getrusage`, the same counter
+    as `VmHWM`) and RSS after. getrusage also keeps the highest mark any exited
+    thread saw, and never forgets it: so where it reads more than `_SLACK` above
+    the start, the mark is read from `/proc/self/status` instead (one slower call,
+    only in cells that used memory).
+    """
+
+    def __init__(self, proc: str = "/proc/self") -> None:
+        self._fds: list[int] = []
+        self._clear = self._open(f"{proc}/clear_refs", os.O_WRONLY)
+        self._statm = self._open(f"{proc}/statm", os.O_RDONLY)
+        self._status = self._open(f"{proc}/status", os.O_RDONLY)
+        self._rss0: int | None = None
+        self.start()  # fails here, not in a user's cell, where the kernel refuses the reset
+        if self.stop() == (None, None):
+            self.close()
+            raise OSError(f"{proc} gives no resettable VmHWM")
+
+    def _open(self, path: str, flags: int) -> int:
+        try:
+            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.close()
+            raise
+        self._fds.append(fd)
+        return fd
+
+    def _rss(self) -> int:
+        return int(os.pread(self._statm, 64, 0).split(None, 2)[1]) * _PAGE
+
+    def start(self) -> None:
+        try:
+            os.pwrite(self._clear, b"5", 0)
+            self._rss0 = self._rss()
+        except (OSError, ValueError, IndexError):
+            self._rss0 = None
+
+    def stop(self) -> tuple[int | None, int | None]:
+        rss0, self._rss0 = self._rss0, None
+        if rss0 is None:
+            return None, None
+        try:
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            rss = self._rss()
+            if hwm > rss0 + _SLACK:  # a real peak, or a stale mark: VmHWM tells them apart
+                status = os.pread(self._status, 4096, 0)
+                hwm = _status_kib(status, b"VmHWM:") * 1024
+                rss = _status_kib(status, b"VmRSS:") * 1024
+        except (OSError, ValueError, IndexError):
+            return None, None
+        return rss - rss0, max(0, hwm - rss0)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            guarded(os.close, fd)
+        self._fds.clear()
+
+
+_SLACK = 256 * 1024  # below this a cell's peak is read from getrusage, within this much
+
+
+def _status_kib(status: bytes, key: bytes) -> int:
+    start = status.index(key) + len(key)
+    return int(status[start : status.index(b"kB", start)])
+
+
+class PeakSampler:
+    """Peak of any reading between `start()` and `stop()`, sampled by one idle-waiting thread.
+
+    It can miss a peak shorter than `interval_s`; it is the fallback where no exact
+    counter exists (host RSS off Linux, MPS memory).
+    """
+
+    def __init__(self, read: Callable[[], int | None], interval_s: float = 0.005) -> None:
+        self._read = read
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._active = threading.Event()
+        self._closed = False
+        self._start: int | None = None
+        self._max: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        value = guarded(self._read)
+        with self._lock:
+            self._start = self._max = value
+        if value is None:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tdm-peak", daemon=True)
+            self._thread.start()
+        self._active.set()
+
+    def _sample(self) -> None:
+        value = guarded(self._read)
+        with self._lock:
+            if value is not None and self._max is not None and self._active.is_set():
+                self._max = max(self._max, value)
+
+    def _run(self) -> None:
+        while True:
+            self._active.wait()
+            if self._closed:
+                return
+            self._sample()
+            time.sleep(self._interval_s)
+
+    def stop(self) -> tuple[int | None, int | None]:
+        self._sample()
+        self._active.clear()
+        with self._lock:
+            start, peak, self._start, self._max = self._start, self._max, None, None
+        end = guarded(self._read)
+        if start is None or peak is None or end is None:
+            return None, None
+        return end - start, max(0, peak - start)
+
+    def close(self) -> None:
+        self._closed = True
+        self._active.set()
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size, or None where no way to read it exists."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return guarded(lambda: psutil.Process().memory_info().rss)
+
+
+def host_probe() -> HostProbe:
+    """The exact /proc probe where the kernel allows it, else a sampling thread over RSS."""
+    try:
+        return ProcHighWater()
+    except OSError:
+        return PeakSampler(rss_bytes)
+
+
+# --- accelerators ---------------------------------------------------------------
+
+ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
+_MPS_BUILT = guarded(torch.backends.mps.is_built) is True
+
+
+@dataclass(frozen=True)
+class Counters:
+    """One reading of an accelerator's caching allocator, in bytes."""
+
+    allocated_bytes: int | None
+    peak_bytes: int | None  # most allocated since the last peak reset
+    reserved_bytes: int | None
+    allocations: int | None  # allocation requests so far: tells whether work ran
+
+
+def built_kinds() -> tuple[str, ...]:
+    """The accelerator kinds this torch build has (read from the build: nothing starts)."""
+    built = {
+        "cuda": torch.version.cuda is not None or torch.version.hip is not None,
+        "xpu": getattr(torch.version, "xpu", None) is not None,
+        "mps": _MPS_BUILT,
+    }
+    return tuple(kind for kind in ACCELERATOR_TYPES if built[kind])
+
+
+def runtime_up(kind: str) -> bool:
+    """Whether `kind`'s runtime already runs in this process; asking never starts it."""
+    try:
+        if kind == "cuda":
+            built = torch.version.cuda is not None or torch.version.hip is not None
+            return built and torch.cuda.is_initialized()
+        if kind == "xpu":
+            return getattr(torch.version, "xpu", None) is not None and torch.xpu.is_initialized()
+        if kind == "mps":
+            # MPS has no context to create; it counts as in use once it holds memory.
+            return (
+                _MPS_BUILT
+                and torch.backends.mps.is_available()
+                and torch.mps.driver_allocated_memory() > 0
+            )
+    except Exception:
+        pass
+    return False
+
+
+class Accelerator:
+    """One accelerator device whose runtime is already up; every call is guarded."""
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind = kind
+        self.index = index
+        self._module = getattr(torch, kind)
+        mps = kind == "mps"
+        self._mps_peak = PeakSampler(self._module.current_allocated_memory) if mps else None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    def counters(self) -> Counters:
+        """Allocated, peak, reserved and the allocation count; None for what cannot be read."""
+        if self.kind == "mps":
+            return Counters(
+                guarded(self._module.current_allocated_memory),
+                None,
+                guarded(self._module.driver_allocated_memory),
+                None,
+            )
+        stats = guarded(self._memory_stats) or {}
+        return Counters(
+            stats.get("allocated_bytes.all.current"),
+            stats.get("allocated_bytes.all.peak"),
+            stats.get("reserved_bytes.all.current"),
+            stats.get("allocation.all.allocated"),
+        )
+
+    def _memory_stats(self) -> dict:
+        generic = getattr(torch, "accelerator", None)
+        if hasattr(generic, "memory_stats") and _current_kind(generic) == self.kind:
+            return generic.memory_stats(self.index)  # torch 2.9+
+        return self._module.memory_stats(self.index)
+
+    def start_peak(self) -> None:
+        """Start the peak window: reset the process-wide peak counter (or sample, on MPS)."""
+        if self._mps_peak is not None:
+            self._mps_peak.start()
+            return
+        generic = getattr(torch, "accelerator", None)
+        if hasattr(generic, "reset_peak_memory_stats") and _current_kind(generic) == self.kind:
+            guarded(generic.reset_peak_memory_stats, self.index)
+        else:
+            guarded(self._module.reset_peak_memory_stats, self.index)
+
+    def sampled_peak_bytes(self) -> int | None:
+        """End the MPS sampling window: the most allocated above its start, None elsewhere."""
+        if self._mps_peak is None:
+            return None
+        return self._mps_peak.stop()[1]
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (so that a clock read after it is honest)."""
+        if self.kind == "mps":
+            guarded(self._module.synchronize)
+        else:
+            guarded(self._module.synchronize, self.index)
+
+    def record_event(self) -> Any:
+        """A timing event recorded now on the current stream, or None."""
+
+        def record() -> Any:
+            event = self._module.Event(enable_timing=True)
+            event.record()
+            return event
+
+        return guarded(record)
+
+    @staticmethod
+    def elapsed_s(start: Any, end: Any) -> float | None:
+        """Device seconds between two recorded events (after a synchronise)."""
+        if start is None or end is None:
+            return None
+        ms = guarded(start.elapsed_time, end)
+        return None if ms is None else ms / 1000
+
+    def description(self) -> str:
+        """'cuda:0 (NVIDIA H200)', or just the name where the device has no readable name."""
+        label = None
+        if self.kind in ("cuda", "xpu"):
+            label = guarded(self._module.get_device_name, self.index)
+        return f"{self.name} ({label})" if label else self.name
+
+
+def active_accelerator(
+    device: str | torch.device | None = None, kinds: tuple[str, ...] | None = None
+) -> Accelerator | None:
+    """The accelerator to measure, if its runtime is up: `device`, else the session's one.
+
+    Without `device`: the torch default device when it is an accelerator, else the
+    current device of the first runtime that is up. `kinds` (default: `built_kinds()`)
+    lets a caller that asks every cell read the build once. Never starts a runtime.
+    """
+    try:
+        kinds = built_kinds() if kinds is None else kinds
+        if device is not None:
+            dev = torch.device(device)
+            if dev.type not in kinds or not runtime_up(dev.type):
+                return None
+            return _accelerator(dev.type, _index(dev))
+        for kind in kinds:
+            if runtime_up(kind):
+                break
+        else:
+            return None
+        default = torch_default_device()
+        dev = default if default is not None and default.type == kind else torch.device(kind)
+        return _accelerator(kind, _index(dev))
+    except Exception:
+        return None
+
+
+def _current_kind(generic: Any) -> str | None:
+    current = generic.current_accelerator()
+    return None if current is None else current.type
+
+
+@cache
+def _accelerator(kind: str, index: int) -> Accelerator:
+    return Accelerator(kind, index)  # one per device, so an MPS sampling thread is made once
+
+
+def _index(dev: torch.device) -> int:
+    if dev.index is not None:
+        return dev.index
+    return 0 if dev.type == "mps" else getattr(torch, dev.type).current_device()
+
+
+# --- NVML -----------------------------------------------------------------------
+
+
+@cache
+def _nvml() -> Any:
+    """The initialised pynvml module (from nvidia-ml-py), or None without a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    return pynvml
+
+
+def nvml_used_bytes(accel: Accelerator | None) -> int | None:
+    """Memory used on the whole device per NVML (context, other processes included)."""
+    if accel is None or accel.kind != "cuda":
+        return None
+    uuid = guarded(lambda: str(torch.cuda.get_device_properties(accel.index).uuid))
+    nvml = _nvml()
+    if uuid is None or nvml is None:
+        return None
+    if not uuid.startswith(("GPU-", "MIG-")):
+        uuid = f"GPU-{uuid}"  # NVML's spelling; torch prints the bare UUID
+    return guarded(lambda: nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(uuid)).used)

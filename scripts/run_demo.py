@@ -16,8 +16,8 @@ from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out"
-# the line the per-cell report shows after each cell, e.g. "[1.2 ms]"
-REPORT_LINE = re.compile(r"^\[\d+(\.\d+)? (µs|ms|s|min)\b.*\]$", re.M)
+# the line the per-cell report shows after each cell, e.g. "time 1.2 ms | host 0 B (peak 0 B)"
+REPORT_LINE = re.compile(r"^time \d+(\.\d+)? (µs|ms|s|min)\b.* \| .*host ", re.M)
 
 
 def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:

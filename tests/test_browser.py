@@ -11,9 +11,10 @@ from kernel import ROOT
 
 pytestmark = pytest.mark.slow
 
-# what each kind of HTML output of the extension must read, once displayed
+# what every HTML output of each kind must read, once displayed
 EXPECTED = {
-    ".tdm-table": re.compile(r"\bcpu\b"),  # %device's table always lists the CPU
+    ".tdm-table": re.compile(r"\w"),  # the tables of %device, moves, %%gpumem, %devhistory
+    ".tdm-report": re.compile(r"^time \d"),  # the line after each cell
 }
 
 MEASURE = """

@@ -63,11 +63,16 @@ def test_it_runs_through_with_no_error_output(ran):
     assert all(c.execution_count for c in code_cells(ran))
 
 
-def test_every_cell_after_loading_shows_a_report_line(ran):
+def test_every_cell_after_loading_shows_a_report_line_or_the_gpumem_table(ran):
     load, *rest = code_cells(ran)
     assert "load_ext torch_device_magic" in load.source
     for cell in rest:
-        assert REPORT_LINE.search(texts(cell)), f"no report line under {cell.source!r}"
+        if cell.source.startswith("%%gpumem"):
+            assert not REPORT_LINE.search(texts(cell)), "a %%gpumem cell is reported once"
+            assert re.search(r"^%%gpumem.*\n.*measure.*value", texts(cell), re.M)
+            assert re.search(r"^wall time +\d", texts(cell), re.M), texts(cell)
+        else:
+            assert REPORT_LINE.search(texts(cell)), f"no report line under {cell.source!r}"
 
 
 def ran_on(nb: nbformat.NotebookNode) -> str:
@@ -99,6 +104,11 @@ def test_what_the_tutorial_teaches_is_what_happens(ran):
     assert "False" in shown(ran, "nograd") and "True" in shown(ran, "grad-back")
     assert "requires_grad: False" in shown(ran, "evaluate")
     assert "same predictions: True" in shown(ran, "checkpoint")
+    assert re.search(r"^batch +\(65536, 8\) +float32", shown(ran, "gpumem"), re.M)
+    cells, history = code_cells(ran), shown(ran, "history")
+    measured = cells[1 : [c.get("id") for c in cells].index("history")]  # after loading
+    for cell in measured:
+        assert re.search(rf"^ *{cell.execution_count} +\d", history, re.M), cell.source
     assert shown(ran, "reset").startswith("device = cpu")
 
 

@@ -36,7 +36,8 @@ def test_help_says_how_to_prepare_and_run_it():
     assert proc.returncode == 0
     help_text = " ".join(proc.stdout.replace("\\\n", " ").split())
     assert "pip download --only-binary=:all: --python-version 3.12" in help_text
-    assert "-d .whl ipython ipykernel nbclient nbformat traitlets pexpect" in help_text
+    wheels = "-d .whl ipython ipykernel nbclient nbformat traitlets pexpect ipython-autotime"
+    assert wheels in help_text
     assert "pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl" in help_text
     assert "PYTHONPATH=/tmp/site python3 scripts/gpu-check" in help_text
 

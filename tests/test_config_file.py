@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import IPython
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+COLORS = "nocolor" if IPython.version_info[0] >= 9 else "NoColor"
 
 
 def run_ipython(tmp_path: Path, config: str, code: str) -> str:
@@ -18,10 +20,11 @@ def run_ipython(tmp_path: Path, config: str, code: str) -> str:
     (profile / "ipython_config.py").write_text(config)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "IPYTHONDIR": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "IPython", "--colors=NoColor", "-c", code],
+        [sys.executable, "-W", "default", "-m", "IPython", f"--colors={COLORS}", "-c", code],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Warning" not in proc.stdout + proc.stderr  # importing and loading warn of nothing
     return proc.stdout
 
 

@@ -9,6 +9,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 import torch_device_magic
+import torch_device_magic.devices  # the fixture reads it before any test imports it
 
 
 class RaisingShell(InteractiveShell):

@@ -14,24 +14,37 @@ from __future__ import annotations
 import ast
 import io
 import tokenize
+from collections.abc import Callable
 from typing import Any
 
 
 def run(shell: Any, cell: str) -> Any:
     """Run `cell` in the user namespace; return its last expression's value (None after `;`)."""
     __tracebackhide__ = True
+    return compiled(shell, cell)()
+
+
+def compiled(shell: Any, cell: str) -> Callable[[], Any]:
+    """Compile `cell` once; each call of the result runs it as `run` does (for timing)."""
     source = shell.transform_cell(cell)
     tree = shell.transform_ast(shell.compile.ast_parse(source))
     filename = shell.compile.cache(source, cell_number(shell), raw_code=cell)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    namespace = (shell.user_global_ns, shell.user_ns)
-    exec(shell.compile(tree, filename, "exec"), *namespace)
-    if last is None:
-        return None
-    value = eval(shell.compile(last, filename, "eval"), *namespace)
-    return None if ends_with_semicolon(cell) else value
+        last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
+    body = shell.compile(tree, filename, "exec")
+    silent = ends_with_semicolon(cell)
+
+    def execute() -> Any:
+        __tracebackhide__ = True
+        namespace = (shell.user_global_ns, shell.user_ns)
+        exec(body, *namespace)
+        if last is None:
+            return None
+        value = eval(last, *namespace)
+        return None if silent else value
+
+    return execute
 
 
 def cell_number(shell: Any) -> int:

@@ -1,4 +1,4 @@
-"""The per-cell reporter: one object owns every IPython event callback of ours.
+"""The per-cell reporter and the hints: one object owns every IPython event callback of ours.
 
     In [3]: x = torch.ones(2**27); del x
     time 152.3 ms | host 0 B (peak 512.0 MiB)
@@ -15,12 +15,18 @@ formatter machinery; where that publisher is IPython's own terminal one, which
 would print the text and nothing else, the text is printed directly.
 A fault in a probe reads `n/a` in the line; a fault anywhere else is one line
 saying so, never a traceback in the user's cell.
+
+After a cell that raised, the hint (`hints.py`, handed in by the magics while
+the `hints` trait is on) is printed under the traceback, before the line; a
+fault while making it prints nothing. With the report off and hints on, only
+`post_run_cell` stays registered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.displaypub import DisplayPublisher
@@ -29,7 +35,6 @@ from .history import History
 from .measure import Measurement, Meter
 from .units import fmt_bytes, fmt_seconds
 
-EVENTS = ("pre_run_cell", "post_run_cell")
 HISTORY_SIZE = 1000
 
 
@@ -46,6 +51,7 @@ class CellReporter:
         self._info: object = None
         self._adopted: Measurement | None = None
         self._fault: str | None = None
+        self._hint: Callable[[BaseException, str], str | None] | None = None
 
     @property
     def registered(self) -> bool:
@@ -64,24 +70,40 @@ class CellReporter:
 
     def register(self, ip: Any) -> None:
         """Start reporting on `ip`, replacing any callbacks of ours already there."""
-        for event in EVENTS:
-            for callback in list(ip.events.callbacks[event]):
-                if is_ours(callback):
-                    ip.events.unregister(event, callback)
         if self._meter is None:
             self._meter = Meter(sync=self._sync)
         self._shell = ip
-        ip.events.register("pre_run_cell", self.pre_run_cell)
-        ip.events.register("post_run_cell", self.post_run_cell)
+        self._hook(ip)
 
     def unregister(self, ip: Any) -> None:
         """Stop reporting on `ip`; the history stays."""
-        for event, callback in zip(EVENTS, (self.pre_run_cell, self.post_run_cell)):
-            if callback in ip.events.callbacks[event]:
-                ip.events.unregister(event, callback)
         if self._meter is not None:
             self._meter.close()
         self._meter = self._shell = self._info = None
+        self._hook(ip)
+
+    def set_hint(self, ip: Any, hint: Callable[[BaseException, str], str | None] | None) -> None:
+        """Show `hint(error, cell source)` after a failing cell's traceback; None: no hints."""
+        self._hint = hint
+        self._hook(ip)
+
+    def _hook(self, ip: Any) -> None:
+        """Register exactly what is needed: both events to report, `post_run_cell` for hints.
+
+        Callbacks of ours that are not this object's (an older instance, after a
+        reload that followed a failed unload) are dropped, so there is one set.
+        """
+        wanted = {
+            "pre_run_cell": self.registered,
+            "post_run_cell": self.registered or self._hint is not None,
+        }
+        for event, on in wanted.items():
+            mine = getattr(self, event)
+            for callback in list(ip.events.callbacks[event]):
+                if is_ours(callback) and (callback != mine or not on):
+                    ip.events.unregister(event, callback)
+            if on and mine not in ip.events.callbacks[event]:
+                ip.events.register(event, mine)
 
     def status(self) -> str:
         """One line: on or off, the thresholds, synchronisation, the history's size."""
@@ -108,16 +130,36 @@ class CellReporter:
             self._fault = _describe(err)
 
     def post_run_cell(self, result: Any) -> None:
-        if self._info is None or result.info is not self._info:
-            return  # a blank cell, or the cell that loaded us: nothing was started
-        self._info = None
+        # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
+        paired = self._info is not None and result.info is self._info
+        measured = None
+        if paired:
+            self._info = None
+            try:
+                if self._fault is None:
+                    measured = self._meter.stop()
+            except Exception as err:
+                self._fault = _describe(err)
+        if self._hint is not None and result.error_in_exec is not None:
+            self._show_hint(result)
+        if not paired:
+            return
         try:
-            if self._fault is None:
-                self._record(self._meter.stop(), result.execution_count)
+            if measured is not None:
+                self._record(measured, result.execution_count)
         except Exception as err:
             self._fault = _describe(err)
         if self._fault is not None:
             self._publish({"text/plain": f"torch_device_magic could not measure: {self._fault}"})
+
+    def _show_hint(self, result: Any) -> None:
+        """Print the hint for the cell's error under its traceback; a fault here shows nothing."""
+        try:
+            text = self._hint(result.error_in_exec, getattr(result.info, "raw_cell", ""))
+        except Exception:
+            return
+        if text:
+            print(text)
 
     def _record(self, measured: Measurement, cell: int | None) -> None:
         adopted, self._adopted = self._adopted, None

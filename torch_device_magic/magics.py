@@ -19,10 +19,14 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, gpumem, moving
+from . import cells, devices, gpumem, hints, moving
+from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
 from .errors import DeviceMagicError
+from .gpufree import free_memory
 from .hooks import CellReporter
+from .namespace import scan
+from .units import parse_bytes
 
 
 def user_errors(method: Callable) -> Callable:
@@ -52,7 +56,7 @@ def parse(magic: Callable, line: str) -> Any:
 
 @magics_class
 class TorchDeviceMagics(Magics):
-    """PyTorch device magics: %device, %%ondevice, %%nograd, %%gpumem and the per-cell report."""
+    """PyTorch device magics: choosing, moving, measuring, comparing; hints on device errors."""
 
     set_torch_default = Bool(
         True,
@@ -81,6 +85,12 @@ class TorchDeviceMagics(Magics):
         help="Synchronise the accelerator before stopping a cell's clock, so that queued "
         "kernels count. Only done where a CUDA context (or other runtime) already exists.",
     ).tag(config=True)
+    hints = Bool(
+        True,
+        help="After the traceback of a classic device error (tensors on different devices, "
+        "out of memory, a CUDA checkpoint without CUDA, DataLoader under a non-CPU default "
+        "device), print a short block starting 'Hint (torch_device_magic):'.",
+    ).tag(config=True)
 
     def __init__(self, shell: Any) -> None:
         # State first: traits set in ipython_config.py fire observers during super().__init__.
@@ -96,12 +106,12 @@ class TorchDeviceMagics(Magics):
             raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
         return proposal.value
 
-    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync")
+    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync", "hints")
     def _report_settings_changed(self, change: Any) -> None:
         self.apply_report_settings()
 
     def apply_report_settings(self) -> None:
-        """Hand the report traits to the reporter; hook it on or off per `auto_report`."""
+        """Hand the report and hint traits to the hooks; hook the report on or off."""
         reporter = self.reporter
         reporter.min_seconds, reporter.min_bytes = self.report_min_seconds, self.report_min_bytes
         reporter.sync = self.sync
@@ -111,6 +121,10 @@ class TorchDeviceMagics(Magics):
             reporter.register(self.shell)
         elif not self.auto_report and reporter.registered:
             reporter.unregister(self.shell)
+        reporter.set_hint(self.shell, self._hint if self.hints else None)
+
+    def _hint(self, error: BaseException, source: str) -> str | None:
+        return hints.hint(error, self.shell.user_ns, source, self.session_device)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
@@ -131,6 +145,7 @@ class TorchDeviceMagics(Magics):
     def close(self) -> None:
         """Undo what loading and the magics changed: hooks, default device, grad mode."""
         self.reporter.unregister(self.shell)
+        self.reporter.set_hint(self.shell, None)
         if self.session_device is not None:
             self.session_device = None
             self._apply_default()
@@ -316,6 +331,111 @@ class TorchDeviceMagics(Magics):
             raise DeviceMagicError(f"%%nograd takes no argument but --inference, got {args.mode!r}")
         with torch.inference_mode() if args.inference else torch.no_grad():
             return cells.run(self.shell, cell)
+
+    @magic_arguments()
+    @argument("--device", help="only names holding a tensor on this device (cuda matches cuda:N)")
+    @argument(
+        "--min-bytes",
+        default="0",
+        help="only names holding at least this much: 1048576, 1MiB or 1.5GB",
+    )
+    @argument(
+        "-o", dest="output", action="store_true", help="return the rows instead of showing them"
+    )
+    @line_magic
+    @user_errors
+    def tensors(self, line: str) -> Any:
+        """List the tensors, modules and optimizers in the namespace: a %whos for PyTorch.
+
+        In [1]: %tensors
+        tensors in the namespace (3 names)
+        name   kind            device  dtype    shape                bytes  grad
+        -----  --------------  ------  -------  ---------------  ---------  ------------
+        model  module Linear   cuda:0  float32  1.0M params        4.0 MiB  grad 4.0 MiB
+        opt    optimizer Adam  cuda:0  float32  2 param tensors    8.0 MiB
+        x      tensor          cpu     float32  (64, 1024)       256.0 KiB
+        total: cpu 256.0 KiB, cuda:0 16.0 MiB (shared storage counted once, gradients included)
+
+        A row's bytes are the storages the name keeps alive (a view counts its
+        whole base); a module's are its parameters and buffers, an optimizer's
+        its state. Totals per device count shared storage once. Warnings name a
+        module whose parameters span devices and an optimizer whose state is on
+        another device than its parameters. `-o` returns the rows (TensorRow).
+        """
+        args = parse(self.tensors, line)
+        device = None if args.device is None else devices.parse(args.device)
+        report = scan(
+            self.shell.user_ns, self.shell.user_ns_hidden, device, parse_bytes(args.min_bytes)
+        )
+        if args.output:
+            return report.rows
+        display(report)
+        return None
+
+    @magic_arguments()
+    @argument(
+        "devices",
+        nargs="*",
+        help="two or more devices, the first being the reference: cpu cuda, cuda:0 cuda:1, cpu mps",
+    )
+    @argument("-n", dest="runs", type=int, default=5, help="timed runs per device (default 5)")
+    @argument("--warmup", type=int, default=1, help="untimed runs per device first (default 1)")
+    @argument(
+        "-o", dest="output", action="store_true", help="return the comparison instead of showing it"
+    )
+    @line_cell_magic
+    @user_errors
+    def devcompare(self, line: str, cell: str | None = None) -> Any:
+        """Run the cell on each device, timed, and say how far the results differ.
+
+        In [1]: %%devcompare cpu cuda
+           ...: a @ b
+        %%devcompare: 5 runs per device after 1 warm-up
+        device    median   spread (min … max)  speed-up  max |difference| vs cpu
+        ------  --------  -------------------  --------  -----------------------
+        cpu     312.4 ms  305.1 ms … 330.9 ms  1.00×
+        cuda      4.1 ms      4.0 ms … 4.3 ms  76.20×    3.1e-05
+
+        On each device the cell gets copies of the tensors, models and optimizers
+        it reads, moved there as %%ondevice moves them, with that device as
+        torch's default and as `device`. Afterwards the namespace is exactly as
+        before: nothing the cell bound or changed stays. Times are wall times with
+        the device synchronised; the difference is the largest absolute difference
+        between the devices' values of the cell's last expression (tensors, or
+        lists, tuples and dicts of them), "not comparable" for meta. `-o` returns
+        a Comparison (devices: median_s, min_s, max_s, speedup, max_abs_diff).
+        """
+        __tracebackhide__ = True
+        args = parse(self.devcompare, line)
+        if cell is None:
+            raise DeviceMagicError("%%devcompare is a cell magic: put the code to compare under it")
+        if args.runs < 1 or args.warmup < 0:
+            raise DeviceMagicError("%%devcompare needs -n 1 or more and --warmup 0 or more")
+        cuda = any(d.startswith("cuda") for d in args.devices)
+        chosen = devices_to_compare(args.devices, take_inventory(probe_cuda_runtime=cuda))
+        result = compare(self.shell, cell, chosen, args.runs, args.warmup)
+        if args.output:
+            return result
+        display(result)
+        return None
+
+    @magic_arguments()
+    @line_magic
+    @user_errors
+    def gpufree(self, line: str) -> None:
+        """Collect garbage and empty the accelerators' allocator cache; say how much came back.
+
+        In [1]: del activations
+        In [2]: %gpufree
+        garbage collected (1,204 objects); cuda:0: 6.0 GiB came back (cached 8.1 GiB → 2.1 GiB,
+        in tensors 2.0 GiB → 2.0 GiB)
+
+        Only accelerators already in use are touched (no CUDA context is created).
+        Memory held by live tensors stays: `del` them first (%tensors lists them).
+        On a machine without one it collects garbage and says so.
+        """
+        parse(self.gpufree, line)
+        print(free_memory())
 
     def _set_nograd(self, on: bool) -> None:
         if on:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+from .errors import DeviceMagicError
+
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -32,3 +36,20 @@ def fmt_seconds(s: float | None) -> str:
         return f"{s:.2f} s"
     minutes, rest = divmod(s, 60)
     return f"{int(minutes)} min {rest:.0f} s"
+
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """`parse_bytes('1.5MiB') == 1572864`: bytes, KiB/MiB/GiB/TiB, or kB/MB/GB/TB (powers of 10)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise DeviceMagicError(f"{text!r} is not a size: use bytes (1048576) or 1MiB, 1.5GB")
+    number, unit = match.groups()
+    scale = 1
+    if unit:
+        power = "kmgt".index(unit[0].lower()) + 1
+        scale = (1024 if unit.lower().endswith("i") else 1000) ** power
+    return int(float(number) * scale)

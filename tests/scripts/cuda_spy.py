@@ -46,6 +46,8 @@ for cell in [
     "%device meta",
     "%%nograd\ny = torch.zeros(2) * 2",
     "%device reset",
+    "%tensors",
+    "%gpufree",
     "%reload_ext torch_device_magic",
     "z = x + 1",
     "%unload_ext torch_device_magic",

@@ -1,0 +1,147 @@
+"""%%devcompare on cpu and meta: copies in, namespace exactly as before, honest comparisons."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic.devcompare import Comparison, DeviceTiming, difference
+from torch_device_magic.devices import torch_default_device
+
+Pair = namedtuple("Pair", "x y")
+
+
+def snapshot(ip):
+    """Every binding by identity, each tensor's device and values, torch's default device."""
+    ns = ip.user_ns
+    tensors = {k: (v.device, v.clone()) for k, v in ns.items() if isinstance(v, torch.Tensor)}
+    return {k: id(v) for k, v in ns.items()}, tensors, torch_default_device()
+
+
+def assert_unchanged(ip, before):
+    ids, tensors, default = snapshot(ip)
+    assert ids == before[0]
+    for name, (dev, values) in before[1].items():
+        assert tensors[name][0] == dev and torch.equal(tensors[name][1], values), name
+    assert default == before[2]
+
+
+@pytest.fixture
+def nsip(ip):
+    ip.run_cell(
+        "a = torch.arange(6.0).reshape(2, 3); v = a[0]; w = torch.ones(3, requires_grad=True)\n"
+        "model = torch.nn.Linear(3, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "seen = []"
+    )
+    return ip
+
+
+def compare(ip, line, cell):
+    return ip.run_cell_magic("devcompare", line, cell)
+
+
+def test_cpu_meta_leaves_the_namespace_exactly_as_before(nsip):
+    before = snapshot(nsip)
+    result = compare(
+        nsip, "cpu meta -n 2 --warmup 1 -o",
+        "a += 1\nmodel.weight.data.zero_()\nopt.zero_grad()\nnew_name = model(v)\nnew_name",
+    )
+    assert_unchanged(nsip, before)
+    assert isinstance(result, Comparison)
+    assert [d.device for d in result.devices] == ["cpu", "meta"]
+    assert [len(d.runs_s) for d in result.devices] == [2, 2]
+    assert result.devices[0].speedup == 1.0 and result.devices[1].max_abs_diff is None
+
+
+def test_each_device_gets_its_own_copies_default_device_and_device_name(nsip):
+    compare(nsip, "cpu meta -n 1 --warmup 0",
+            "seen.append((str(device), str(torch.zeros(1).device), str(a.device)))")
+    # `seen` holds no tensor, so it is not copied: the one place a cell can leave a trace
+    assert nsip.user_ns["seen"] == [("cpu", "cpu", "cpu"), ("meta", "meta", "meta")]
+
+
+def test_copies_keep_aliases_and_views_on_every_device(nsip):
+    result = compare(
+        nsip, "cpu meta -n 1 -o",
+        "(v.untyped_storage()._cdata == a.untyped_storage()._cdata,\n"
+        " opt.param_groups[0]['params'][0] is model.weight)",
+    )
+    assert result.devices[1].max_abs_diff == 0.0  # (True, True) on both devices
+
+
+def test_an_input_with_autograd_history_is_copied_too(nsip):
+    nsip.run_cell("y = w * 2")
+    result = compare(nsip, "cpu meta -n 1 -o", "y.shape[0]")
+    assert result.devices[1].max_abs_diff == 0.0
+
+
+def test_a_failure_says_on_which_device_and_restores_everything(nsip, capsys):
+    before = snapshot(nsip)
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
+        nsip.run_cell("%%devcompare cpu meta\nlost = 1\n(a @ a.T).sum().item()")
+    assert "%%devcompare: the cell failed on meta" in capsys.readouterr().err
+    assert_unchanged(nsip, before)
+
+
+def test_the_table_reads_well(nsip, capsys):
+    nsip.run_cell("%%devcompare cpu meta -n 3\na @ a.T")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "%%devcompare: 3 runs per device after 1 warm-up"
+    assert out[1].split("  ")[0] == "device"
+    assert "max |difference| vs cpu" in out[1]
+    assert out[3].startswith("cpu") and "1.00×" in out[3]
+    assert out[4].startswith("meta") and out[4].endswith("not comparable")
+
+
+def test_speedup_is_relative_to_the_first_device():
+    comparison = Comparison(
+        [DeviceTiming("cpu", [0.4, 0.2, 0.3], 1.0, None),
+         DeviceTiming("cuda:0", [0.01, 0.03, 0.02], 15.0, 1e-6)],
+        warmup=2,
+    )
+    assert comparison.devices[1].median_s == 0.02
+    text = str(comparison)
+    assert "15.00×" in text and "1e-06" in text and "after 2 warm-ups" in text
+    assert "<table>" in comparison._repr_mimebundle_()["text/html"]
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [
+    (torch.ones(3), torch.ones(3), 0.0),
+    (torch.ones(3), torch.tensor([1.0, 1.5, 0.75]), 0.5),
+    (torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 1.0),
+    (torch.ones(3), torch.ones(3, device="meta"), None),
+    (torch.ones(3), torch.ones(4), None),
+    ([torch.ones(1), {"k": torch.zeros(1)}], [torch.ones(1), {"k": torch.ones(1)}], 1.0),
+    (Pair(torch.ones(1), 2.0), Pair(torch.ones(1), 2.5), 0.5),
+    ([torch.ones(1)], (torch.ones(1),), None),
+    ({"k": 1}, {"j": 1}, None),
+    (None, None, None),
+    (3, 3.25, 0.25),
+    (torch.empty(0), torch.empty(0), 0.0),
+])
+def test_difference(a, b, expected):
+    assert difference(a, b) == expected
+
+
+BAD = [
+    ("%%devcompare cpu\n1", "%%devcompare needs at least two devices"),
+    ("%%devcompare cpu cpu\n1", "%%devcompare got a device twice: cpu cpu"),
+    ("%%devcompare cpu banana\n1", "'banana' is not a device"),
+    ("%%devcompare cpu meta -n 0\n1", "%%devcompare needs -n 1 or more"),
+    ("%devcompare cpu meta", "%%devcompare is a cell magic"),
+]
+if not torch.cuda.is_available():
+    BAD.append(("%%devcompare cpu cuda\n1", "cuda is not available"))
+
+
+@pytest.mark.parametrize(("cell", "message"), BAD)
+def test_bad_input_is_a_usage_error_and_changes_nothing(nsip, cell, message):
+    before = snapshot(nsip)
+    with pytest.raises(UsageError) as err:
+        nsip.run_cell(cell)
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(message)
+    assert_unchanged(nsip, before)

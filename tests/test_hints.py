@@ -1,0 +1,236 @@
+"""Hints on the classic device errors: each reproduced for real where this machine can."""
+
+from __future__ import annotations
+
+import io
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from torch_device_magic.hints import PREFIX, hint
+
+META = torch.device("meta")
+
+
+def error_of(fn):
+    try:
+        fn()
+    except BaseException as err:
+        return err
+    raise AssertionError("no error")
+
+
+def test_meta_cpu_mismatch_names_the_cells_variables_and_the_fix():
+    ns = {"model": torch.nn.Linear(2, 2, device="meta"), "x": torch.ones(1, 2), "n": 3}
+    err = error_of(lambda: ns["model"](ns["x"]))
+    assert "is not on the expected device" in str(err)
+    text = hint(err, ns, "y = model(x) * n  # x again: x", None)
+    assert text.splitlines() == [
+        f"{PREFIX} the tensors this operation got are on different devices.",
+        "  The cell uses: model (meta), x (cpu)",
+        "  Fix: run the cell with %%ondevice DEV (moves what it uses there), "
+        "or .to(device) each one.",
+    ]
+    assert "%%ondevice meta " in hint(err, ns, "y = model(x)", META)
+
+
+def test_cuda_form_suggests_the_gpu_named_in_the_message():
+    err = RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        "cuda:0 and cpu!"
+    )
+    text = hint(err, {"x": torch.ones(1)}, "x @ w", None)
+    assert text.startswith(PREFIX)
+    assert "The cell uses: x (cpu)" in text
+    assert "%%ondevice cuda:0 " in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="loads fine where CUDA exists")
+def test_cuda_checkpoint_on_a_cpu_machine_says_map_location(monkeypatch):
+    buf = io.BytesIO()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"w": torch.ones(2)}, buf)
+    buf.seek(0)
+    err = error_of(lambda: torch.load(buf))
+    assert "Attempting to deserialize object on a CUDA device" in str(err)
+    assert "torch.load(path, map_location='cpu')" in hint(err, {}, "torch.load(buf)", None)
+    assert "map_location='meta'" in hint(err, {}, "torch.load(buf)", META)
+
+
+def test_data_loader_under_a_meta_default_device():
+    loader = DataLoader(list(range(10)), shuffle=True, batch_size=2)
+    torch.set_default_device("meta")
+    try:
+        err = error_of(lambda: next(iter(loader)))
+        text = hint(err, {}, "next(iter(loader))", META)
+        by_hand = hint(err, {}, "next(iter(loader))", None)
+    finally:
+        torch.set_default_device(None)
+    assert "cannot be called on meta tensors" in str(err)  # not the CUDA generator message
+    assert text.splitlines() == [
+        f"{PREFIX} the DataLoader draws its shuffling on torch's default device, "
+        "which %device set to meta.",
+        "  Either keep factory functions on the CPU: "
+        "%config TorchDeviceMagics.set_torch_default = False",
+    ]
+    assert "which torch.set_default_device set to meta" in by_hand
+    assert "torch.set_default_device(None)" in by_hand
+    assert hint(err, {}, "next(iter(loader))", None) is None  # the CPU default is back
+
+
+def test_data_loader_under_a_cuda_default_offers_a_generator(monkeypatch):
+    import torch_device_magic.hints as hints
+
+    monkeypatch.setattr(hints, "torch_default_device", lambda: torch.device("cuda:0"))
+    err = error_of(lambda: next(iter(DataLoader([1], collate_fn=generator_error))))
+    text = hint(err, {}, "next(iter(loader))", torch.device("cuda:0"))
+    assert "which %device set to cuda:0" in text
+    assert "generator=torch.Generator(device='cuda:0')" in text
+    outside = error_of(lambda: generator_error([1]))  # no frame in torch/utils/data
+    assert hint(outside, {}, "", torch.device("cuda:0")) is None
+
+
+def generator_error(batch):
+    raise RuntimeError("Expected a 'cuda' generator device but found 'cpu'")
+
+
+def test_out_of_memory_frees_the_tracebacks_frames():
+    freed = []
+
+    def step():
+        activations = torch.ones(1000)
+        freed.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    err = error_of(step)
+    sys.last_value, sys.last_traceback = err, err.__traceback__
+    assert freed[0]() is not None
+    text = hint(err, {"x": torch.ones(3)}, "step()", None)
+    assert freed[0]() is None
+    assert not hasattr(sys, "last_value") and not hasattr(sys, "last_traceback")
+    assert text.startswith(f"{PREFIX} the accelerator ran out of memory.")
+    assert "%gpufree" in text
+    assert "Largest" not in text  # CPU tensors are not what filled the GPU
+
+
+@pytest.mark.parametrize("error", [
+    ZeroDivisionError("division by zero"),
+    RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
+    KeyboardInterrupt(),
+])
+def test_other_errors_get_no_hint(error):
+    assert hint(error, {"x": torch.ones(1)}, "x / 0", None) is None
+
+
+# --- through a shell: the hint under the traceback, from the one hooks object ---------
+
+
+def show(shell, cell):
+    """Run `cell` as IPython does (printing its error instead of raising it)."""
+    return super(type(shell), shell).run_cell(cell)
+
+
+def test_the_hint_comes_under_the_traceback_and_before_the_report_line(ip, capsys):
+    ip.run_cell("model = torch.nn.Linear(2, 2, device='meta'); x = torch.ones(1, 2)")
+    capsys.readouterr()
+    result = show(ip, "y = model(x)")
+    out = capsys.readouterr().out
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert out.count("Traceback (most recent call last)") == 1
+    error_at = out.index("RuntimeError: Tensor on device")
+    hint_at = out.index(f"{PREFIX} the tensors this operation got are on different devices.")
+    assert error_at < hint_at < out.rindex("\ntime ")
+    assert "  The cell uses: model (meta), x (cpu)\n" in out
+
+
+def test_data_loader_under_device_meta_for_real(ip, capsys):
+    ip.run_cell("from torch.utils.data import DataLoader\n%device meta")
+    capsys.readouterr()
+    show(ip, "loader = DataLoader(list(range(10)), shuffle=True, batch_size=2)\nnext(iter(loader))")
+    out = capsys.readouterr().out
+    assert "Tensor.item() cannot be called on meta tensors" in out
+    assert "which %device set to meta" in out
+    assert "%config TorchDeviceMagics.set_torch_default = False" in out
+
+
+def test_out_of_memory_in_a_cell_frees_what_its_frames_held(ip, capsys):
+    ip.run_cell(
+        "import weakref\nrefs = []\n"
+        "def step():\n"
+        "    activations = torch.ones(1000)\n"
+        "    refs.append(weakref.ref(activations))\n"
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')"
+    )
+    show(ip, "step()")
+    out = capsys.readouterr().out
+    assert "OutOfMemoryError" in out and f"{PREFIX} the accelerator ran out of memory." in out
+    assert ip.user_ns["refs"][0]() is None
+    assert not hasattr(sys, "last_traceback")
+
+
+@pytest.mark.parametrize("switch", [None, "%config TorchDeviceMagics.hints = False"])
+def test_no_hint_for_other_errors_or_when_switched_off(ip, capsys, switch):
+    if switch:
+        ip.run_cell(switch)
+        ip.run_cell("m = torch.nn.Linear(2, 2, device='meta')")
+        cell = "m(torch.ones(2))"
+    else:
+        cell = "1 / 0"
+    show(ip, cell)
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last)" in out
+    assert PREFIX not in out
+
+
+def test_hints_without_the_report_keep_only_post_run_cell(ip, capsys):
+    from torch_device_magic.hooks import is_ours
+
+    def ours(event):
+        return sum(is_ours(cb) for cb in ip.events.callbacks[event])
+
+    ip.run_cell("%devreport off")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (0, 1)
+    show(ip, "torch.ones(1) + torch.ones(1, device='meta')")
+    assert PREFIX in capsys.readouterr().out
+    ip.run_cell("%config TorchDeviceMagics.hints = False")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (0, 0)
+    ip.run_cell("%config TorchDeviceMagics.hints = True")
+    ip.run_cell("%devreport on")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (1, 1)
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert (ours("pre_run_cell"), ours("post_run_cell")) == (0, 0)
+
+
+def test_a_fault_while_hinting_prints_nothing_more(ip, capsys, monkeypatch):
+    import torch_device_magic.hints as hints
+
+    def broken(*args):
+        raise ValueError("bug in a hint")
+
+    monkeypatch.setattr(hints, "hint", broken)
+    show(ip, "torch.ones(1) + torch.ones(1, device='meta')")
+    out = capsys.readouterr().out
+    assert out.count("Traceback (most recent call last)") == 1
+    assert "bug in a hint" not in out and PREFIX not in out
+
+
+@pytest.mark.slow
+def test_on_a_kernel_the_hint_follows_the_error_output():
+    from kernel import execute, notebook
+    from nbclient.exceptions import CellExecutionError
+
+    nb = notebook(
+        "%load_ext torch_device_magic\nimport torch",
+        "x = torch.ones(1); m = torch.zeros(1, device='meta')\nx + m",
+    )
+    with pytest.raises(CellExecutionError):
+        execute(nb)
+    kinds = [(o.output_type, o.get("text", "")) for o in nb.cells[1].outputs]
+    error_at = [kind for kind, _ in kinds].index("error")
+    hint_at = next(i for i, (_, text) in enumerate(kinds) if text.startswith(PREFIX))
+    assert error_at < hint_at
+    assert "The cell uses: x (cpu), m (meta)" in kinds[hint_at][1]

@@ -1,0 +1,186 @@
+"""%tensors: the namespace's tensors by name, totals per device, warnings; pure and wired."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic import namespace
+from torch_device_magic.namespace import scan
+from torch_device_magic.units import parse_bytes
+
+Batch = namedtuple("Batch", "x y")
+
+
+@dataclass
+class State:
+    weights: torch.Tensor
+    step: int
+
+
+def rows(report):
+    return {r.name: r for r in report.rows}
+
+
+def test_shared_storage_is_counted_once_and_a_view_holds_its_base():
+    a = torch.ones(1024)
+    report = scan({"a": a, "b": a, "v": a[:8], "n": 3, "s": "text"})
+    by_name = rows(report)
+    assert sorted(by_name) == ["a", "b", "v"]
+    assert by_name["v"].shape == "(8,)"
+    assert by_name["v"].nbytes == 4096  # the view keeps the whole base alive
+    assert report.totals == {"cpu": 4096}
+    assert report.shared == ["a, b, v share one storage (4.0 KiB, counted once)"]
+
+
+def test_mixed_devices_get_a_total_each():
+    report = scan({
+        "x": torch.zeros(100),
+        "m": torch.zeros(10, 10, device="meta", dtype=torch.float16),
+        "batch": Batch(torch.zeros(4, dtype=torch.int64), torch.zeros(2, device="meta")),
+    })
+    by_name = rows(report)
+    assert report.totals == {"cpu": 400 + 32, "meta": 200 + 8}
+    assert (by_name["m"].device, by_name["m"].dtype) == ("meta", "float16")
+    assert (by_name["batch"].kind, by_name["batch"].device) == ("Batch", "cpu, meta")
+    assert (by_name["batch"].dtype, by_name["batch"].shape) == ("float32, int64", "2 tensors")
+
+
+def test_modules_optimizers_and_containers_each_make_one_row():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    report = scan({
+        "model": model, "opt": opt, "nested": {"k": [State(torch.ones(2), 1)]}, "fn": print,
+    })
+    by_name = rows(report)
+    assert sorted(by_name) == ["model", "nested", "opt"]
+    assert by_name["model"].kind == "module Linear"
+    assert by_name["model"].shape == "10 params"
+    assert by_name["model"].nbytes == 40
+    assert by_name["model"].grad_bytes == 40
+    assert by_name["opt"].kind == "optimizer SGD"
+    assert by_name["opt"].nbytes == 40  # its momentum buffers; the parameters are the model's
+    assert by_name["opt"].grad_bytes is None  # the gradients show on the model's row
+    assert scan({"opt": opt}).totals == {"cpu": 40 + 40 + 40}  # alone, it holds them all
+    assert by_name["nested"].shape == "1 tensors"
+    assert report.totals == {"cpu": 40 + 40 + 40 + 8}  # params, grads, momentum, nested
+    assert report.warnings == []
+
+
+def test_requires_grad_and_grad_read_in_the_grad_column():
+    w = torch.ones(3, requires_grad=True)
+    g = torch.ones(3, requires_grad=True)
+    (g * 2).sum().backward()
+    text = str(scan({"w": w, "g": g, "plain": torch.ones(1)}))
+    lines = {line.split()[0]: line for line in text.splitlines()[3:6]}
+    assert lines["w"].endswith("requires_grad")
+    assert lines["g"].endswith("grad 12 B")
+    assert lines["plain"].endswith("4 B")
+
+
+def test_a_module_spanning_devices_is_a_warning():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    report = scan({"model": model})
+    assert report.warnings == [
+        "model: the Sequential's parameters and buffers are on cpu and meta "
+        "(move it whole: %%ondevice DEV or .to(device))"
+    ]
+    assert "warning: model: the Sequential's" in str(report)
+
+
+def test_optimizer_state_on_another_device_is_a_warning_but_step_is_not():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert scan({"opt": opt}).warnings == []  # Adam keeps `step` on the CPU on purpose
+    state = opt.state[model.weight]
+    state["exp_avg"] = state["exp_avg"].to("meta")
+    assert scan({"opt": opt}).warnings == [
+        "opt: the Adam's state is on meta for parameters on cpu "
+        "(%%ondevice moves an optimizer with its state)"
+    ]
+
+
+def test_filters_by_device_and_size():
+    ns = {"small": torch.zeros(2), "big": torch.zeros(1000), "m": torch.zeros(5, device="meta")}
+    assert [r.name for r in scan(ns, device=torch.device("meta")).rows] == ["m"]
+    assert [r.name for r in scan(ns, device=torch.device("cpu")).rows] == ["big", "small"]
+    assert [r.name for r in scan(ns, min_bytes=1000).rows] == ["big"]
+
+
+def test_hidden_and_underscore_names_are_skipped():
+    t = torch.zeros(1)
+    assert scan({"Out": {1: t}, "_": t, "_5": t, "t": t}, hidden={"Out"}).totals == {"cpu": 4}
+    assert [r.name for r in scan({"Out": {1: t}, "_": t}, hidden={"Out"}).rows] == []
+
+
+def test_a_huge_container_is_walked_only_so_far(monkeypatch):
+    monkeypatch.setattr(namespace, "WALK_LIMIT", 10)
+    report = scan({"data": [torch.zeros(1), *range(50), torch.zeros(1)]})
+    assert report.rows[0].kind == "list (first 10 items)"
+
+
+def test_lazy_modules_do_not_break_the_listing():
+    report = scan({"lazy": torch.nn.LazyLinear(3), "x": torch.zeros(1)})
+    assert [r.name for r in report.rows] == ["x"]
+
+
+def test_empty_namespace_says_so():
+    assert str(scan({"n": 1})) == "no tensors, modules or optimizers in the namespace"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0", 0), ("1048576", 2**20), ("1MiB", 2**20), ("1.5 GB", 1_500_000_000), ("2kb", 2000),
+])
+def test_sizes_read_with_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_magic_lists_and_returns_rows(ip, capsys):
+    ip.run_cell("a = torch.ones(256); v = a[:2]; m = torch.zeros(3, device='meta'); a")
+    capsys.readouterr()
+    ip.run_cell("%tensors")
+    out = capsys.readouterr().out
+    assert out.startswith("tensors in the namespace (3 names)")
+    assert "total: cpu 1.0 KiB, meta 12 B" in out
+    ip.run_cell("rows = %tensors --device meta -o")
+    assert [(r.name, r.device) for r in ip.user_ns["rows"]] == [("m", "meta")]
+    ip.run_cell("rows = %tensors --min-bytes 1KiB -o")
+    assert [r.name for r in ip.user_ns["rows"]] == ["a", "v"]
+
+
+def test_report_renders_html_too():
+    bundle = scan({"x": torch.zeros(2)})._repr_mimebundle_()
+    assert "<table>" in bundle["text/html"] and "<td>x</td>" in bundle["text/html"]
+    assert bundle["text/plain"].startswith("tensors in the namespace (1 name)")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("%tensors --min-bytes lots", "'lots' is not a size"),
+    ("%tensors --device banana", "'banana' is not a device"),
+    ("%tensors extra", "%tensors: unrecognized arguments: extra"),
+])
+def test_bad_input_is_a_usage_error(ip, line, message):
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(message)
+
+
+def test_adams_cpu_step_counter_does_not_make_the_optimizer_span_devices():
+    model = torch.nn.Linear(2, 2, device="meta")
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():  # what Adam.step leaves for parameters on a GPU
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
+    report = scan({"opt": opt})
+    assert report.rows[0].device == "meta"
+    assert report.rows[0].nbytes == 24  # the moments; the steps count in the totals only
+    assert report.totals == {"cpu": 8, "meta": 24 + 24}
+    assert report.warnings == []

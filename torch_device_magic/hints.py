@@ -1,0 +1,172 @@
+"""Hints on the classic device errors, shown after the traceback (which stays as it was).
+
+    In [4]: y = model(x)
+    RuntimeError: Tensor on device meta is not on the expected device cpu!
+    Hint (torch_device_magic): the tensors this operation got are on different devices.
+      The cell uses: model (meta), x (cpu)
+      Fix: run the cell with %%ondevice meta (moves what it uses there), or .to(device) each one.
+
+Four errors get one: tensors on different devices, out of memory, a CUDA
+checkpoint loaded without CUDA, and the DataLoader under a non-CPU default
+device (keyed on that default and a frame in `torch/utils/data`, because the
+message differs per device: a generator error on CUDA, `.item()` on meta).
+Every other error gets None. Nothing here touches CUDA unless its runtime is
+already up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+
+import torch
+
+from .devices import torch_default_device
+from .namespace import TensorRow, scan
+from .units import fmt_bytes
+
+PREFIX = "Hint (torch_device_magic):"
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.* from 2.5
+_MISMATCH = re.compile(
+    r"Expected all tensors to be on the same device|is not on the expected device"
+)
+_DEVICE = re.compile(r"\b(?:cuda|mps|xpu)(?::\d+)?\b|\bcpu\b|\bmeta\b")
+_DATA_DIR = os.sep + os.path.join("torch", "utils", "data") + os.sep
+_MAX_NAMES = 6
+
+
+def hint(
+    error: BaseException,
+    namespace: dict[str, object],
+    source: str,
+    session_device: torch.device | None,
+) -> str | None:
+    """The hint block for `error` raised by the cell `source`, or None for other errors.
+
+    For an out-of-memory error it also clears the local variables of the
+    traceback's frames and `sys.last_*`, so that their tensors can be freed.
+    """
+    message = str(error)
+    if isinstance(error, OOM):
+        return _out_of_memory(error, namespace)
+    if not isinstance(error, RuntimeError):
+        return None
+    if _MISMATCH.search(message):
+        return _mismatch(message, namespace, source, session_device)
+    if "Attempting to deserialize object on" in message:
+        return _checkpoint(session_device)
+    default = torch_default_device()
+    if default is not None and default.type != "cpu" and _raised_in_data_loading(error):
+        return _data_loader(default, session_device)
+    return None
+
+
+def _mismatch(
+    message: str, namespace: dict[str, object], source: str, session: torch.device | None
+) -> str:
+    words = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", source))  # in order, once each
+    used = [name for name in words if name in namespace]
+    rows = scan({name: namespace[name] for name in used}).rows
+    rows.sort(key=lambda r: used.index(r.name))
+    lines = [f"{PREFIX} the tensors this operation got are on different devices."]
+    if rows:
+        shown = ", ".join(f"{r.name} ({r.device})" for r in rows[:_MAX_NAMES])
+        lines.append(f"  The cell uses: {shown}{', ...' if len(rows) > _MAX_NAMES else ''}")
+    found = [d for r in rows for d in r.device.split(", ")] + _DEVICE.findall(message)
+    target = str(session) if session is not None else next(
+        (d for d in found if d not in ("cpu", "meta")), "DEV"
+    )
+    lines.append(
+        f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
+        "or .to(device) each one."
+    )
+    return "\n".join(lines)
+
+
+def _out_of_memory(error: BaseException, namespace: dict[str, object]) -> str:
+    release_frames(error)
+    lines = [f"{PREFIX} the accelerator ran out of memory."]
+    free = _free_and_total(str(error))
+    if free is not None:
+        lines[0] = f"{PREFIX} out of memory: {fmt_bytes(free[0])} free of {fmt_bytes(free[1])}."
+    rows = sorted(
+        (r for r in scan(namespace).rows if _on_accelerator(r)), key=lambda r: -r.nbytes
+    )
+    if rows:
+        largest = ", ".join(f"{r.name} {fmt_bytes(r.nbytes)} ({r.device})" for r in rows[:3])
+        lines.append(f"  Largest in the namespace: {largest} (see %tensors)")
+    lines += [
+        "  To get memory back: del what you no longer need, then %gpufree.",
+        "  Smaller batches, %%nograd for inference, or half precision need less.",
+        "  The traceback's frames were cleared so that their tensors can be freed.",
+    ]
+    return "\n".join(lines)
+
+
+def release_frames(error: BaseException) -> None:
+    """Drop what `error`'s traceback (and those it chains to) keep alive: the frames'
+    locals and `sys.last_*`."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            # Before Python 3.13 a frame keeps the dict of locals that a traceback
+            # printer read; reading f_locals again syncs it with the cleared frame.
+            frame.f_locals  # noqa: B018
+        error = error.__cause__ or error.__context__
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+
+
+def _free_and_total(message: str) -> tuple[int, int] | None:
+    """Free and total bytes of the GPU that ran out, if its runtime is up (never started here)."""
+    if not torch.cuda.is_initialized():
+        return None
+    match = re.search(r"GPU (\d+) has a total capacity", message)
+    try:
+        index = int(match.group(1)) if match else torch.cuda.current_device()
+        return torch.cuda.mem_get_info(index)
+    except Exception:  # a broken context: the hint goes on without the figures
+        return None
+
+
+def _on_accelerator(row: TensorRow) -> bool:
+    return any(d not in ("cpu", "meta") for d in row.device.split(", "))
+
+
+def _checkpoint(session: torch.device | None) -> str:
+    target = "cpu" if session is None else str(session)
+    return (
+        f"{PREFIX} this checkpoint was saved on a CUDA GPU that this machine does not have.\n"
+        f"  Load it onto the session device: torch.load(path, map_location={target!r}) "
+        "(or map_location=device)."
+    )
+
+
+def _raised_in_data_loading(error: BaseException) -> bool:
+    return any(
+        _DATA_DIR in frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)
+    )
+
+
+def _data_loader(default: torch.device, session: torch.device | None) -> str:
+    by_us = session == default
+    who = "%device" if by_us else "torch.set_default_device"
+    off = "%config TorchDeviceMagics.set_torch_default = False" if by_us else (
+        "torch.set_default_device(None)"
+    )
+    lines = [
+        f"{PREFIX} the DataLoader draws its shuffling on torch's default device, "
+        f"which {who} set to {default}.",
+        f"  Either keep factory functions on the CPU: {off}",
+    ]
+    if default.type != "meta":  # meta makes no random numbers at all
+        lines.append(
+            f"  or give it a generator there: DataLoader(..., generator=torch.Generator("
+            f"device={str(default)!r}))"
+        )
+    return "\n".join(lines)

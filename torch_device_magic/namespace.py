@@ -1,0 +1,300 @@
+"""What the namespace holds in tensors, name by name: the engine of `%tensors`.
+
+    >>> report = scan({"a": torch.ones(1024), "v": a[:8], "model": nn.Linear(4, 4)})
+    >>> [(r.name, r.kind, r.nbytes) for r in report.rows]
+    [('a', 'tensor', 4096), ('model', 'module Linear', 80), ('v', 'tensor', 4096)]
+    >>> report.totals
+    {'cpu': 4176}
+
+A row is a name bound to a tensor, a Parameter, a module, an optimizer, or a
+container (list, tuple, dict, namedtuple, dataclass) holding any of them. Its
+bytes are the storages it keeps alive, each once: a view reads as its whole
+base, because that is the memory it holds. A module's bytes are its parameters
+and buffers; an optimizer's are its state (momentum, Adam moments), since its
+parameters belong to their model; gradients have their own column. The totals
+per device count every storage the listed rows reach once, gradients and an
+optimizer's parameters included, so names sharing storage add nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .reports import Table
+from .units import fmt_bytes
+
+WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
+
+# Where a tensor sits in the object a row is named after. DATA and STATE count
+# in the row's bytes; DATA, STATE and PARAM give its devices; every role counts
+# in the totals, ASIDE only there.
+DATA, STATE, GRAD, PARAM, ASIDE = "data", "state", "grad", "param", "aside"
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One name and the tensors it holds (what `%tensors -o` returns a list of)."""
+
+    name: str
+    kind: str  # tensor, Parameter, module Linear, optimizer AdamW, list, dict, Batch, ...
+    device: str  # "cpu", or "cpu, cuda:0" when the object spans devices
+    dtype: str
+    shape: str  # a tensor's shape; what a module, optimizer or container holds
+    nbytes: int
+    requires_grad: bool
+    grad_bytes: int | None  # None when no tensor of it has a .grad
+
+
+@dataclass
+class _Found:
+    """What walking one name found: storages by role, and what looked wrong."""
+
+    storages: dict[str, dict[tuple[str, int], int]] = field(
+        default_factory=lambda: {DATA: {}, STATE: {}, GRAD: {}, PARAM: {}, ASIDE: {}}
+    )
+    dtypes: set[str] = field(default_factory=set)
+    requires_grad: bool = False
+    count: int = 0  # tensors held as data
+    warnings: list[str] = field(default_factory=list)
+    complete: bool = True
+    seen: set[tuple[int, str]] = field(default_factory=set)
+
+    def add(self, t: Tensor, role: str) -> None:
+        if (id(t), role) in self.seen:
+            return
+        self.seen.add((id(t), role))
+        self.storages[role].update([_storage(t)])
+        if role in (DATA, STATE, PARAM):
+            self.dtypes.add(str(t.dtype).removeprefix("torch."))
+        if role == DATA:
+            self.count += 1
+            self.requires_grad |= t.requires_grad
+
+    def devices(self) -> set[str]:
+        return {dev for role in (DATA, STATE, PARAM) for dev, _ in self.storages[role]}
+
+    def held(self) -> dict[tuple[str, int], int]:
+        return {**self.storages[DATA], **self.storages[STATE]}
+
+
+@dataclass
+class TensorsReport:
+    """The `%tensors` listing: rows by name, totals per device, warnings; text and HTML."""
+
+    rows: list[TensorRow]
+    totals: dict[str, int]
+    shared: list[str]
+    warnings: list[str]
+
+    def table(self) -> Table:
+        if not self.rows:
+            return Table("no tensors, modules or optimizers in the namespace", [], [])
+        rows = [
+            [r.name, r.kind, r.device, r.dtype, r.shape, fmt_bytes(r.nbytes), _grad_text(r)]
+            for r in self.rows
+        ]
+        totals = ", ".join(f"{dev} {fmt_bytes(n)}" for dev, n in self.totals.items())
+        notes = [f"total: {totals} (shared storage counted once, gradients included)"]
+        notes += self.shared + [f"warning: {w}" for w in self.warnings]
+        headers = ["name", "kind", "device", "dtype", "shape", "bytes", "grad"]
+        names = f"{len(self.rows)} name{'s' if len(self.rows) > 1 else ''}"
+        return Table(f"tensors in the namespace ({names})", headers, rows, notes)
+
+    def __str__(self) -> str:
+        return self.table().text()
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        return self.table()._repr_mimebundle_()
+
+
+def scan(
+    namespace: dict[str, object],
+    hidden: Iterable[str] = (),
+    device: torch.device | None = None,
+    min_bytes: int = 0,
+) -> TensorsReport:
+    """List what `namespace` holds in tensors; names in `hidden` or starting with `_` are skipped.
+
+    `device` keeps the rows with a tensor on it (`cuda` matches every `cuda:N`),
+    `min_bytes` the rows holding at least that many bytes.
+    """
+    skip = set(hidden)
+    found: list[tuple[TensorRow, _Found]] = []
+    for name in sorted(namespace):
+        if name.startswith("_") or name in skip:
+            continue
+        row = _row(name, namespace[name])
+        if row is not None and row[0].nbytes >= min_bytes and _on(row[1], device):
+            found.append(row)
+    totals: dict[str, dict[tuple[str, int], int]] = {}
+    owners: dict[tuple[str, int], list[str]] = {}
+    for row, f in found:
+        for role in f.storages.values():
+            for key, nbytes in role.items():
+                totals.setdefault(key[0], {})[key] = nbytes
+        for key in f.held():
+            owners.setdefault(key, []).append(row.name)
+    shared = [
+        f"{', '.join(names)} share one storage ({fmt_bytes(totals[key[0]][key])}, counted once)"
+        for key, names in owners.items()
+        if len(names) > 1
+    ]
+    return TensorsReport(
+        rows=[row for row, _ in found],
+        totals={dev: sum(s.values()) for dev, s in sorted(totals.items())},
+        shared=shared,
+        warnings=[w for _, f in found for w in f.warnings],
+    )
+
+
+def _on(found: _Found, device: torch.device | None) -> bool:
+    if device is None:
+        return True
+    for name in found.devices():
+        dev = torch.device(name)
+        if dev.type == device.type and device.index in (None, dev.index):
+            return True
+    return False
+
+
+def _row(name: str, obj: object) -> tuple[TensorRow, _Found] | None:
+    """The row for one name, or None when it holds no tensor."""
+    f = _Found()
+    _walk(obj, name, f)
+    if not f.count and not f.storages[STATE] and not f.storages[PARAM]:
+        return None
+    grads = f.storages[GRAD]
+    row = TensorRow(
+        name=name,
+        kind=_kind(obj) + ("" if f.complete else f" (first {WALK_LIMIT:,} items)"),
+        device=", ".join(sorted(f.devices())),
+        dtype=", ".join(sorted(f.dtypes)),
+        shape=_shape(obj, f),
+        nbytes=sum(f.held().values()),
+        requires_grad=f.requires_grad,
+        grad_bytes=sum(grads.values()) if grads else None,
+    )
+    return row, f
+
+
+def _walk(root: object, name: str, f: _Found) -> None:
+    """Add every tensor `root` holds to `f`, each object once, within WALK_LIMIT objects."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if len(seen) > WALK_LIMIT:
+            f.complete = False
+            return
+        if isinstance(obj, Tensor):
+            _tensor(obj, DATA, f)
+        elif isinstance(obj, torch.nn.Module):
+            _module(obj, name, f)
+        elif isinstance(obj, torch.optim.Optimizer):
+            _optimizer(obj, name, f)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack.extend(getattr(obj, fl.name, None) for fl in dataclasses.fields(obj))
+
+
+def _tensor(t: Tensor, role: str, f: _Found) -> None:
+    f.add(t, role)
+    # reading .grad of a non-leaf warns, unless it retains its grad
+    if (t.is_leaf or t.retains_grad) and t.grad is not None:
+        f.add(t.grad, GRAD)
+
+
+def _module(module: torch.nn.Module, name: str, f: _Found) -> None:
+    devices = set()
+    for t in _materialised([*module.parameters(), *module.buffers()]):
+        _tensor(t, DATA, f)
+        devices.add(str(t.device))
+    if len(devices) > 1:
+        f.warnings.append(
+            f"{name}: the {type(module).__name__}'s parameters and buffers are on "
+            f"{' and '.join(sorted(devices))} (move it whole: %%ondevice DEV or .to(device))"
+        )
+
+
+def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
+    astray: set[tuple[str, str]] = set()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            f.add(p, PARAM)
+            if p.grad is not None:
+                f.add(p.grad, ASIDE)  # the model's row shows it
+            for key, value in opt.state.get(p, {}).items():
+                if not isinstance(value, Tensor):
+                    continue
+                if key == "step":  # on the CPU on purpose unless capturable or fused
+                    f.add(value, ASIDE)
+                    continue
+                _tensor(value, STATE, f)
+                if value.device != p.device:
+                    astray.add((str(value.device), str(p.device)))
+    for state_dev, param_dev in sorted(astray):
+        f.warnings.append(
+            f"{name}: the {type(opt).__name__}'s state is on {state_dev} for parameters on "
+            f"{param_dev} (%%ondevice moves an optimizer with its state)"
+        )
+
+
+def _materialised(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Leave out a lazy module's parameters: they have no shape nor storage yet."""
+    lazy = torch.nn.parameter.UninitializedTensorMixin
+    return [t for t in tensors if not isinstance(t, lazy)]
+
+
+def _storage(t: Tensor) -> tuple[tuple[str, int], int]:
+    """((device, storage id), bytes): views of one storage share the key."""
+    try:
+        storage = t.untyped_storage()
+        return (str(t.device), storage._cdata), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
+        return (str(t.device), id(t)), t.element_size() * t.numel()
+
+
+def _kind(obj: object) -> str:
+    if isinstance(obj, torch.nn.Parameter):
+        return "Parameter"
+    if isinstance(obj, Tensor):
+        return "tensor"
+    if isinstance(obj, torch.nn.Module):
+        return f"module {type(obj).__name__}"
+    if isinstance(obj, torch.optim.Optimizer):
+        return f"optimizer {type(obj).__name__}"
+    return type(obj).__name__
+
+
+def _shape(obj: object, f: _Found) -> str:
+    if isinstance(obj, Tensor):
+        return str(tuple(obj.shape))
+    if isinstance(obj, torch.nn.Module):
+        return f"{_count(sum(p.numel() for p in _materialised(obj.parameters())))} params"
+    if isinstance(obj, torch.optim.Optimizer):
+        return f"{sum(len(g['params']) for g in obj.param_groups)} param tensors"
+    return f"{f.count} tensors"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _grad_text(row: TensorRow) -> str:
+    if row.grad_bytes is not None:
+        return f"grad {fmt_bytes(row.grad_bytes)}"
+    return "requires_grad" if row.requires_grad else ""

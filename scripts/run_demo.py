@@ -67,6 +67,7 @@ def output_text(out: nbformat.NotebookNode) -> str:
 
 
 def show(nb: nbformat.NotebookNode) -> None:
+    """Print each code cell's first line and what it showed, report lines included."""
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue

@@ -4,10 +4,17 @@
 
 1. A cell naming one tensor, with 10,000 unrelated tensors in the namespace,
    against the same cell in an otherwise empty namespace (target: <= 1.2x).
-2. Moving a dict of 10,000 small tensors against a plain `{k: v.to(dev)}` loop
-   (target: <= 1.5x). The target is `meta`, so that no GPU is needed: nothing
-   is copied there, so the per-tensor bookkeeping is all that is compared.
-   With CUDA, the same to `cuda` too.
+2. Moving a dict of 10,000 small tensors held by a name against doing it by
+   hand, `ns["d"] = {k: v.to(dev) for k, v in ns["d"].items()}` (target:
+   <= 1.5x). Both leave the name holding the moved tensors, and both free the
+   old ones inside the timing (the loop by dropping the old dict, the move by
+   dropping the old C++ tensors it swapped out); the new ones are freed after
+   it. The target is `meta`, so that no GPU is needed: nothing is copied
+   there, so this is the worst case for the ratio, the per-tensor bookkeeping
+   against the bare cost of `.to`. With CUDA, the same to `cuda` too.
+   Also the same dict when it is already on the target (`cpu`), as in every
+   `%%ondevice` cell after the first: `.to` returns the tensor itself and
+   the move copies nothing.
 3. On CUDA: moving a model of about 1 GiB host -> device against one flat
    `tensor.to("cuda")` of the same size (target: >= 80% of its bandwidth, that
    is a time ratio <= 1.25x).
@@ -36,6 +43,7 @@ from torch_device_magic.units import fmt_seconds
 META = torch.device("meta")
 CELL = "y = x * 2\ny.sum()"
 REPEATS = 21
+DICT_SIZE = 10_000
 
 
 def timed(
@@ -84,7 +92,15 @@ def namespace(extra: int) -> Callable[[], dict]:
 
 
 def small_tensors() -> dict:
-    return {f"t{i}": torch.zeros(4) for i in range(10_000)}
+    """A namespace whose name `d` holds the only references to 10,000 small tensors."""
+    return {"d": {f"t{i}": torch.zeros(4) for i in range(DICT_SIZE)}}
+
+
+def by_hand(dev: torch.device) -> Callable[[dict], None]:
+    def run(ns: dict) -> None:
+        ns["d"] = {k: v.to(dev) for k, v in ns["d"].items()}
+
+    return run
 
 
 def names_cost() -> tuple[str, float, float, str]:
@@ -94,11 +110,13 @@ def names_cost() -> tuple[str, float, float, str]:
 
 def dict_cost(dev: torch.device, clock: Callable[[], float]) -> tuple[str, float, float, str]:
     base, ours = compare(
-        (small_tensors, synced(lambda d: {k: v.to(dev) for k, v in d.items()})),
-        (small_tensors, synced(lambda d: move({"d": d}, ["d"], dev))),
+        (small_tensors, synced(by_hand(dev))),
+        (small_tensors, synced(lambda ns: move(ns, ["d"], dev))),
         clock,
     )
-    return f"dict of 10,000 tensors to {dev.type}: move vs {{k: v.to(dev)}}", base, ours, "<= 1.5x"
+    if dev.type == "cpu":  # where they are already: the issue sets no target for it
+        return "dict of 10,000 tensors already on cpu: move vs by hand", base, ours, "-"
+    return f"dict of 10,000 tensors to {dev.type}: move vs by hand", base, ours, "<= 1.5x"
 
 
 def synced(fn: Callable[[object], object]) -> Callable[[object], object]:
@@ -129,7 +147,11 @@ def bandwidth(cuda: torch.device) -> tuple[str, float, float, str]:
 
 
 def figures() -> tuple[list, list[str]]:
-    found = [names_cost(), dict_cost(META, time.process_time)]
+    found = [
+        names_cost(),
+        dict_cost(META, time.process_time),
+        dict_cost(torch.device("cpu"), time.process_time),
+    ]
     if not torch.cuda.is_available():
         return found, ["GPU cases: skipped, CUDA is not available on this machine"]
     cuda = torch.device("cuda", torch.cuda.current_device())
@@ -142,6 +164,9 @@ def main() -> None:
     rows = []
     for what, base, ours, target in found:
         rows.append((what, fmt_seconds(base), fmt_seconds(ours), f"{ours / base:.2f}x", target))
+        if what.startswith("dict"):
+            extra = (ours - base) / DICT_SIZE * 1e6
+            notes.append(f"{what.split(':')[0]}: the move takes {extra:.2f} µs a tensor more")
     print(Table("bench_moving", ("case", "baseline", "ours", "ratio", "target"), rows, notes))
 
 

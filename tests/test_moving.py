@@ -167,6 +167,16 @@ def test_views_of_a_shared_span_rebuild_at_their_offsets_on_meta():
     assert result.nbytes <= base.nbytes
 
 
+def test_a_leaf_and_its_detached_alias_share_storage_and_count_once_on_meta():
+    w = torch.nn.Parameter(torch.randn(4))
+    alias = w.detach()
+    ns = {"a": {"alias": alias}, "w": w, "x": torch.zeros(2)}
+    result = moved_all(ns, META)
+    assert storage(w) == storage(alias) and w.device == META
+    assert w.is_leaf and w.requires_grad and not alias.requires_grad
+    assert result.names == {"a": 16, "x": 8}  # the storage under the first name reaching it
+
+
 # --- autograd ---------------------------------------------------------------------------
 
 

@@ -144,7 +144,7 @@ def restore(ns: dict, moved: MoveResult) -> MoveResult:
 
 
 class _Plan:
-    """Phase 1: every tensor to move, found once, grouped by storage and target device."""
+    """Phase 1: every tensor to move, found once, with its target and what shares its storage."""
 
     def __init__(self, device: torch.device | None, undo: _Undo | None = None) -> None:
         # Moving, every tensor goes to `device`; restoring, each goes home and what
@@ -153,20 +153,25 @@ class _Plan:
         self.home = undo.home if device is None else None
         self.module_targets = undo.module_home if device is None else None
         self.seen: set[int] = set()
-        self.groups: dict[int, list[Tensor]] = {}  # by storage
-        self.targets: list[torch.device] = []  # one per group
-        self.where: dict[int, _Where] = {}
+        # One entry per tensor, in the order found; the lists below hold indices into them.
+        self.tensors: list[Tensor] = []
+        self.targets: list[torch.device] = []
+        self.nbytes: list[int] = []  # what each copy takes (a shared storage: all on its first)
+        self.shared: dict[int, list[int]] = {}  # a storage's first tensor -> all that share it
+        self.requiring_grad: list[int] = []  # leaves whose copies must require grad too
+        self.where: dict[int, _Where] = {}  # by id: planned already, and where it was found
         self.grads: list[tuple[Tensor, Tensor]] = []
         self.with_history: list[Tensor] = []
-        self.groups_by_name: list[tuple[str, int, int]] = []
+        self.names: list[tuple[str, int, int]] = []  # name -> its slice of `tensors`
         self.module_home: dict[int, torch.device] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
 
     def walk(self, ns: dict, names: list[str]) -> None:
         for name in names:
-            first = len(self.groups)
+            first = len(self.tensors)
             self._walk(ns[name], name)
-            self.groups_by_name.append((name, first, len(self.groups)))
+            self.names.append((name, first, len(self.tensors)))
+        self._group()
 
     def _walk(self, root: object, name: str) -> None:
         stack: list[tuple[object, _Where, torch.device | None]] = [(root, name, None)]
@@ -193,6 +198,7 @@ class _Plan:
                     stack.append((getattr(obj, f.name, None), (where, f.name, True), inherited))
 
     def _tensor(self, t: Tensor, where: _Where, inherited: torch.device | None) -> None:
+        # The hot path of a move: each torch attribute read here costs about 0.05 µs.
         i = id(t)
         if i in self.where:  # planned already
             return
@@ -200,21 +206,17 @@ class _Plan:
         if target is None or t.device == target:
             return
         self.where[i] = where
-        try:
-            key = t.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            key = i
-        group = self.groups.get(key)
-        if group is None:
-            self.groups[key] = [t]
-            self.targets.append(target)
-        else:
-            group.append(t)
-        if not t.is_leaf:
-            self.with_history.append(t)
-        elif t.grad is not None:
-            self.grads.append((t, t.grad))
-            self._tensor(t.grad, (where, "grad", True), target)
+        self.tensors.append(t)
+        self.targets.append(target)
+        if t.requires_grad:  # else it is a leaf
+            if not t.is_leaf:
+                self.with_history.append(t)
+                return
+            self.requiring_grad.append(len(self.tensors) - 1)
+        grad = t.grad
+        if grad is not None:
+            self.grads.append((t, grad))
+            self._tensor(grad, (where, "grad", True), target)
 
     def _module(self, module: torch.nn.Module, where: _Where, inherited) -> None:
         if self.module_targets is not None:
@@ -240,9 +242,25 @@ class _Plan:
                         label = (((where, "state", True), f"<param {g}.{k}>", False), key, False)
                         self._tensor(value, label, target)
 
-    def group_bytes(self) -> list[int]:
-        """The bytes each group's copy will take."""
-        return [g[0].nbytes if len(g) == 1 else _span(g)[1] for g in self.groups.values()]
+    def _group(self) -> None:
+        """Find the tensors that share a storage (views, `.data` aliases) and each copy's bytes."""
+        tensors = self.tensors
+        try:
+            keys = [t.untyped_storage()._cdata for t in tensors]
+        except (RuntimeError, NotImplementedError):  # a sparse or other storage-less tensor
+            keys = [_storage_key(t) for t in tensors]
+        self.nbytes = [t.nbytes for t in tensors]
+        if len(set(keys)) == len(keys):  # the common case: every tensor has its own storage
+            return
+        first: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            j = first.setdefault(key, i)
+            if j != i:
+                self.shared.setdefault(j, [j]).append(i)
+        for j, members in self.shared.items():
+            self.nbytes[j] = _span([tensors[i] for i in members])[1]
+            for i in members[1:]:
+                self.nbytes[i] = 0
 
     def optimizer_snapshots(self) -> tuple[list, list[tuple[Tensor, Tensor]]]:
         """Each walked optimizer's state mapping, and a copy of its tensors that stay put."""
@@ -258,26 +276,33 @@ class _Plan:
         return mappings, values
 
 
+def _storage_key(t: Tensor) -> int:
+    """What identifies the storage of `t`: tensors that share one get the same key."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return id(t)
+
+
 def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
     start = time.perf_counter()
-    group_bytes = plan.group_bytes()
-    pairs = _copy_all(plan, group_bytes)
-    if isinstance(pairs, str):
-        raise DeviceMagicError(pairs)  # outside any except block: no tensors ride on it
+    news = _copy_all(plan)
+    if isinstance(news, str):
+        raise DeviceMagicError(news)  # outside any except block: no tensors ride on it
     home = undo.home if undo is not None else None
     if home is not None:
-        for t, _ in pairs:
+        for t in plan.tensors:
             home[id(t)] = t.device
     history = [
         f"{_label(plan.where[id(t)])}: moved without its autograd history"
         for t in plan.with_history
     ]
-    notes, rebound = _commit(ns, plan.groups_by_name, pairs, plan.where, undo)
+    notes, rebound = _commit(ns, plan, news, undo)
     if home is not None:
         for old, new in rebound.items():
             home[id(new)] = home.pop(old)
     _reattach_grads(plan.grads, rebound)
-    by_name = {name: sum(group_bytes[first:last]) for name, first, last in plan.groups_by_name}
+    by_name = {name: sum(plan.nbytes[first:last]) for name, first, last in plan.names}
     target = device if device is not None else _first_target(plan)
     return MoveResult(
         target,
@@ -292,58 +317,55 @@ def _first_target(plan: _Plan) -> torch.device:
     return plan.targets[0] if plan.targets else torch.device("cpu")
 
 
-def _copy_all(plan: _Plan, group_bytes: list[int]) -> list[tuple[Tensor, Tensor]] | str:
-    """Phase 2: (tensor, copy) for every planned tensor, or the one-sentence reason it failed."""
-    pairs: list[tuple[Tensor, Tensor]] = []
-    bar = _progress_bar(sum(group_bytes), _first_target(plan))
-    group: list[Tensor] = []
-    target = None
+def _copy_all(plan: _Plan) -> list[Tensor] | str:
+    """Phase 2: a copy of each planned tensor, in plan order, or the one-sentence reason why not."""
+    news: list = [None] * len(plan.tensors)
+    bar = _progress_bar(sum(plan.nbytes), _first_target(plan))
+    i, target = 0, None
     try:
         with torch.no_grad():
-            for group, target, n in zip(
-                plan.groups.values(), plan.targets, group_bytes, strict=True
-            ):
-                _copy_group(group, target, pairs)
+            for i, members in plan.shared.items():  # each shared storage as one span
+                target = plan.targets[i]
+                _copy_storage(plan, members, target, news)
                 if bar is not None:
-                    bar.update(n)
-        return pairs
+                    bar.update(plan.nbytes[i])
+            for i, (t, target) in enumerate(zip(plan.tensors, plan.targets)):
+                if news[i] is None:  # a tensor with a storage of its own
+                    news[i] = t.to(target)
+                    if bar is not None:
+                        bar.update(plan.nbytes[i])
+            for j in plan.requiring_grad:
+                news[j].requires_grad_(True)  # under no_grad, `.to` of a leaf gives one without
+        return news
     except BaseException as exc:
-        pairs.clear()
+        news.clear()
         traceback.clear_frames(exc.__traceback__)  # the frames below hold copies too
         gc.collect()
         if target is not None:
             _empty_cache(target)
         if not isinstance(exc, Exception):
             raise  # an interrupt goes on, holding no copies
-        return _failure(plan, group, target, exc)  # out of memory, a dtype, data-less meta
+        failed = [plan.tensors[j] for j in plan.shared.get(i, [i])]
+        return _failure(plan, failed, target, exc)  # out of memory, a dtype, data-less meta
     finally:
         if bar is not None:
             bar.close()
 
 
-def _copy_group(group: list[Tensor], target: torch.device, pairs: list) -> None:
-    """Copy one storage's tensors to `target`, appending (tensor, copy) to `pairs`."""
-    # A lone tensor is copied directly; tensors sharing a storage as one span of
-    # bytes, on which each is rebuilt at its own offset, so they still share it.
-    if len(group) == 1:
-        t = group[0]
-        new = t.to(target)
-        if t.requires_grad and t.is_leaf:
-            new.requires_grad_(True)
-        pairs.append((t, new))
-        return
+def _copy_storage(plan: _Plan, members: list[int], target: torch.device, news: list) -> None:
+    """Copy the tensors `members` of `plan`, which share a storage, as one span of bytes."""
+    # Each is rebuilt on the copied span at its own offset, so that they still share it.
+    group = [plan.tensors[j] for j in members]
     lo, n = _span(group)
     first = group[0]
     src = torch.empty(0, dtype=torch.uint8, device=first.device)
     src.set_(first.untyped_storage(), lo, (n,), (1,))
     storage = src.to(target).untyped_storage()
-    for t in group:
+    for t, j in zip(group, members, strict=True):
         size = t.element_size()
         new = torch.empty(0, dtype=t.dtype, device=target)
         new.set_(storage, t.storage_offset() - lo // size, t.size(), t.stride())
-        if t.requires_grad and t.is_leaf:
-            new.requires_grad_(True)
-        pairs.append((t, new))
+        news[j] = new
 
 
 def _span(group: list[Tensor]) -> tuple[int, int]:
@@ -374,19 +396,15 @@ def _failure(plan: _Plan, group: list[Tensor], target, exc: Exception) -> str:
 
 
 def _commit(
-    ns: dict,
-    groups_by_name: list[tuple[str, int, int]],
-    pairs: list[tuple[Tensor, Tensor]],
-    where: dict[int, _Where],
-    undo: _Undo | None,
+    ns: dict, plan: _Plan, news: list[Tensor], undo: _Undo | None
 ) -> tuple[list[str], dict[int, Tensor]]:
     """Phase 3: give every tensor its copy in place; rebind what torch will not change."""
     originals = undo.originals if undo is not None else None
     if originals is not None:
-        for t, _ in pairs:
+        for t in plan.tensors:
             alias = t.detach().requires_grad_(t.requires_grad and t.is_leaf)
             originals.append((t, alias))
-    pending = _swap_all(pairs)
+    pending = _swap_all(plan.tensors, news)
     notes: list[str] = []
     replaced: dict[int, Tensor] = {}
     for t, new in pending:
@@ -394,17 +412,17 @@ def _commit(
         if torch._has_compatible_shallow_copy_type(t, new):
             t.data = new
             notes.append(
-                f"{_label(where[id(t)])}: moved with .data because {why}; "
+                f"{_label(plan.where[id(t)])}: moved with .data because {why}; "
                 "views of its old storage and autograd graphs that saved it stay behind"
             )
         else:
             replaced[id(t)] = _like(t, new)
             notes.append(
-                f"{_label(where[id(t)])}: replaced by a new tensor because {why}; "
+                f"{_label(plan.where[id(t)])}: replaced by a new tensor because {why}; "
                 "references the cell does not name keep the old one"
             )
     if replaced:
-        _rebind(ns, [name for name, _, _ in groups_by_name], replaced)
+        _rebind(ns, [name for name, _, _ in plan.names], replaced)
         if undo is not None:
             undo.rebound.update({id(replaced[id(t)]): t for t, _ in pending if id(t) in replaced})
             if originals is not None:
@@ -412,32 +430,36 @@ def _commit(
     return notes, replaced
 
 
-def _swap_all(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-    """Swap each tensor with its copy where allowed, emptying `pairs`; return those refused."""
+def _swap_all(olds: list[Tensor], news: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """Swap each of `olds` with its copy where allowed, emptying `news`; return those refused."""
     # After a swap the copy holds the old tensor, which may still hold another
-    # (a view its base, a leaf its grad) and block that one's swap: each pass
-    # drops them, so retry while passes make progress.
-    pending = pairs
-    while pending:
-        refused = []
-        for t, new in pending:
-            if _swap_refusal(t) is None and _swapped(t, new):
-                continue  # `new` now holds the old tensor
-            refused.append((t, new))
-        progress = len(refused) < len(pending)
-        pending.clear()
-        pending = refused
-        if not progress:
+    # (a view its base, a leaf its grad) and block that one's swap: dropping
+    # them (`news.clear()`, then each list of refused pairs) may unblock it, so
+    # retry while passes make progress.
+    refused = _swap_pass(zip(olds, news))
+    news.clear()
+    while refused:
+        retry = _swap_pass(refused)
+        if len(retry) == len(refused):
             break
-    return pending
+        refused = retry
+    return refused
 
 
-def _swapped(t: Tensor, new: Tensor) -> bool:
-    try:
-        _swap_impl(t, new)
-    except RuntimeError:  # a C++ weak reference to it
-        return False
-    return True
+def _swap_pass(pairs: Iterable[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Swap every pair that can be swapped now; return the others."""
+    if _swap_impl is None:
+        return list(pairs)
+    refused = []
+    for t, new in pairs:  # the checks of `_swap_refusal`, inlined: this runs once a tensor
+        if getweakrefcount(t) or t._use_count() > 1:
+            refused.append((t, new))
+            continue
+        try:
+            _swap_impl(t, new)  # `new` now holds the old tensor
+        except RuntimeError:  # a C++ weak reference to it
+            refused.append((t, new))
+    return refused
 
 
 def _swap_refusal(t: Tensor) -> str | None:
@@ -521,8 +543,9 @@ def _reattach_grads(grads: list[tuple[Tensor, Tensor]], replaced: dict[int, Tens
 def _put_back_originals(ns: dict, moved: MoveResult, start: float) -> MoveResult:
     """Restore from a data-less device: the original tensors come back as they were."""
     undo = moved._undo
-    refused = _swap_all(undo.originals)
-    undo.originals = None
+    olds, originals = [t for t, _ in undo.originals], [o for _, o in undo.originals]
+    undo.originals = None  # so that `_swap_all` can drop what the swaps hand back
+    refused = _swap_all(olds, originals)
     replaced = {id(t): _like(t, orig) for t, orig in refused}
     replaced.update(undo.rebound)
     if replaced:

@@ -21,6 +21,19 @@ class RaisingShell(InteractiveShell):
         return result
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU."""
+    needs_cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if not needs_cuda or torch.cuda.is_available():
+        return
+    from torch_device_magic.devices import take_inventory
+
+    why = "; ".join(take_inventory().notes) or "torch sees none"
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({why})")
+    for item in needs_cuda:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def shell():
     """A fresh shell, not yet loaded with the extension."""
@@ -43,3 +56,12 @@ def ip(shell):
     """A fresh shell with the extension loaded."""
     shell.run_line_magic("load_ext", "torch_device_magic")
     return shell
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """demo.ipynb, executed once per session on a real kernel and saved as out/demo.ipynb:
+    the notebook and the CellExecutionError that stopped it (None when it ran through)."""
+    from kernel import run_demo
+
+    return run_demo()

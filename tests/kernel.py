@@ -1,13 +1,18 @@
-"""Run notebooks on a real Jupyter kernel (nbclient), from the repository root."""
+"""Run notebooks on a real Jupyter kernel (nbclient), with scripts/run_demo.py's helpers."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from run_demo import REPORT_LINE, execute, output_text, run_demo, write_html  # noqa: E402
+
+__all__ = ["REPORT_LINE", "ROOT", "execute", "notebook", "run_demo", "texts", "write_html"]
 
 
 def notebook(*sources: str) -> nbformat.NotebookNode:
@@ -17,23 +22,6 @@ def notebook(*sources: str) -> nbformat.NotebookNode:
     return nb
 
 
-def execute(nb: nbformat.NotebookNode, timeout: int = 120) -> nbformat.NotebookNode:
-    """Execute `nb` on a fresh python3 kernel started in the repository root."""
-    client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
-    )
-    client.execute()
-    return nb
-
-
 def texts(cell: nbformat.NotebookNode) -> str:
     """Everything a cell showed as text: streams, plain-text results, error names."""
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.output_type == "stream":
-            parts.append(out.text)
-        elif out.output_type in ("execute_result", "display_data"):
-            parts.append(out.data.get("text/plain", ""))
-        elif out.output_type == "error":
-            parts.append(f"{out.ename}: {out.evalue}")
-    return "".join(parts)
+    return "".join(output_text(out) for out in cell.get("outputs", []))

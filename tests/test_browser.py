@@ -1,0 +1,90 @@
+"""The executed demo's HTML rendering, opened in headless Chromium: the extension's HTML
+output is really displayed (present, visible, not covered, with size and readable text)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from browser import Chromium, find_chromium
+from kernel import ROOT
+
+pytestmark = pytest.mark.slow
+
+# what every HTML output of each kind must read, once displayed
+EXPECTED = {
+    ".tdm-table": re.compile(r"\w"),  # the tables of %device, moves, %%gpumem, %devhistory
+    ".tdm-report": re.compile(r"^time \d"),  # the line after each cell
+}
+
+MEASURE = """
+(() => {
+  const rgba = (c) => (c.match(/[\\d.]+/g) || []).map(Number).concat([1]).slice(0, 4);
+  const lum = (rgb) => rgb.map((v) => v / 255)
+    .map((v) => (v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4))
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  return [...document.querySelectorAll(SELECTOR)].map((el) => {
+    el.scrollIntoView({block: "center"});
+    const box = el.getBoundingClientRect();
+    const hit = document.elementFromPoint(
+      box.left + Math.min(box.width / 2, 40), box.top + Math.min(box.height / 2, 10));
+    let opacity = 1, background = null;
+    for (let e = el; e; e = e.parentElement) {
+      const s = getComputedStyle(e);
+      opacity *= Number(s.opacity);
+      const bg = rgba(s.backgroundColor);
+      if (!background && bg[3] > 0) background = bg;
+    }
+    background = background || [255, 255, 255, 1];
+    const style = getComputedStyle(el), color = rgba(style.color);
+    const alpha = color[3] * opacity;
+    const shown = color.slice(0, 3).map((v, i) => v * alpha + background[i] * (1 - alpha));
+    const [hi, lo] = [lum(shown), lum(background.slice(0, 3))].sort((a, b) => b - a);
+    return {
+      width: box.width, height: box.height, text: el.innerText.trim(),
+      visible: el.checkVisibility({checkOpacity: true, checkVisibilityCSS: true}),
+      on_top: el.contains(hit), font_px: parseFloat(style.fontSize),
+      contrast: (hi + 0.05) / (lo + 0.05),
+    };
+  });
+})()
+"""
+
+
+@pytest.fixture(scope="module")
+def demo_html(request):
+    pytest.importorskip("nbconvert", reason="nbconvert renders the HTML (pip install .[test])")
+    from kernel import write_html
+
+    nb, failed = request.getfixturevalue("demo")
+    assert failed is None, failed
+    return write_html(nb, ROOT / "out" / "demo.html")
+
+
+@pytest.fixture(scope="module")
+def page(demo_html, tmp_path_factory):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium; "
+                    "python3 scripts/dev.py test installs it)")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with Chromium(chromium, profile, size=(1280, 900), timeout_s=60) as browser:
+        browser.open(demo_html.as_uri())
+        yield browser
+
+
+@pytest.mark.parametrize("selector", sorted(EXPECTED))
+def test_the_extensions_html_is_displayed_and_readable(page, selector):
+    found = page.evaluate(MEASURE.replace("SELECTOR", repr(selector)))
+    assert found, f"no {selector} element in the demo's HTML rendering"
+    for element in found:
+        assert element["visible"] and element["on_top"], element
+        assert element["width"] > 0 and element["height"] > 0, element
+        assert element["font_px"] >= 9 and element["contrast"] >= 4.5, element
+        assert EXPECTED[selector].search(element["text"]), element
+
+
+def test_a_screenshot_is_saved_next_to_the_executed_notebook(page):
+    png = page.screenshot(ROOT / "out" / "demo.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (png.parent / "demo.ipynb").exists()

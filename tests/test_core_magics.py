@@ -24,6 +24,14 @@ def test_device_meta_binds_device_and_new_tensors_land_there(ip, capsys):
     assert ip.user_ns["layer"].weight.device.type == "meta"
 
 
+def test_device_cpu_installs_no_torch_default(ip):
+    ip.run_cell("%device meta")
+    ip.run_cell("%device cpu")
+    assert ip.user_ns["device"] == torch.device("cpu")
+    assert torch_default_device() is None  # no per-call cost for what torch does anyway
+    assert torch.zeros(1).device.type == "cpu"
+
+
 def test_device_reset_returns_to_the_cpu(ip):
     ip.run_cell("%device meta")
     ip.run_cell("%device reset")

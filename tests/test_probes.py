@@ -248,3 +248,19 @@ def test_a_stale_getrusage_mark_is_not_taken_for_a_peak(monkeypatch):
     probe.close()
     del kept
     assert peak < 8 * MiB and delta < 8 * MiB
+
+
+def test_a_lagging_high_water_mark_never_reads_below_the_delta(monkeypatch):
+    """RSS and the high-water mark are separate counters: the peak is at least the delta."""
+    try:
+        probe = ProcHighWater()
+    except OSError:
+        pytest.skip("/proc refuses the reset here")
+    lagging = types.SimpleNamespace(ru_maxrss=0)
+    monkeypatch.setattr(probes.resource, "getrusage", lambda who: lagging)
+    probe.start()
+    kept = allocate(4 * MiB)
+    delta, peak = probe.stop()
+    probe.close()
+    del kept
+    assert delta > 2 * MiB and peak == delta

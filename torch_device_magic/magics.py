@@ -131,10 +131,14 @@ class TorchDeviceMagics(Magics):
         self._apply_default()
 
     def _apply_default(self) -> None:
-        if self.session_device is not None and self.set_torch_default:
-            torch.set_default_device(self.session_device)
-        else:
+        if self.session_device is None or not self.set_torch_default:
             torch.set_default_device(self._default_at_load)
+        elif self.session_device.type == "cpu":
+            # Torch's own default already is the CPU, and an installed default device
+            # costs on every torch call (a small training loop ran 4x slower).
+            torch.set_default_device(None)
+        else:
+            torch.set_default_device(self.session_device)
 
     def set_session_device(self, dev: torch.device | None) -> None:
         """Bind `device` in the namespace and (per `set_torch_default`) torch's default."""

@@ -116,7 +116,9 @@ class ProcHighWater:
                 rss = _status_kib(status, b"VmRSS:") * 1024
         except (OSError, ValueError, IndexError):
             return None, None
-        return rss - rss0, max(0, hwm - rss0)
+        # RSS and the high-water mark are separate kernel counters that can lag each
+        # other by a few pages; a peak is never below where the cell ended.
+        return rss - rss0, max(0, rss - rss0, hwm - rss0)
 
     def close(self) -> None:
         for fd in self._fds:
@@ -182,7 +184,7 @@ class PeakSampler:
         end = guarded(self._read)
         if start is None or peak is None or end is None:
             return None, None
-        return end - start, max(0, peak - start)
+        return end - start, max(0, end - start, peak - start)
 
     def close(self) -> None:
         self._closed = True

@@ -36,7 +36,7 @@ class Table:
             return "  ".join(parts).rstrip()
 
         out = [self.title] if self.title else []
-        if self.headers:
+        if self.headers and cells:  # a table with no rows is its title alone
             out.append(line(self.headers))
             out.append("  ".join("-" * w for w in widths))
         out.extend(line(row) for row in cells)
@@ -52,6 +52,7 @@ class Table:
         notes = "".join(f"<div>{esc(n)}</div>" for n in self.notes)
         title = f"<div><b>{esc(self.title)}</b></div>" if self.title else ""
         table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        table = table if body else ""
         return f'<div class="tdm-table">{title}{table}{notes}</div>'
 
     def __str__(self) -> str:

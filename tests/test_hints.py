@@ -31,10 +31,11 @@ def test_meta_cpu_mismatch_names_the_cells_variables_and_the_fix():
     assert text.splitlines() == [
         f"{PREFIX} the tensors this operation got are on different devices.",
         "  The cell uses: model (meta), x (cpu)",
-        "  Fix: run the cell with %%ondevice DEV (moves what it uses there), "
-        "or .to(device) each one.",
+        "  Fix: meta tensors hold no data, so they cannot be moved to a real device: "
+        "build them there, or give a module storage with .to_empty(device=device) "
+        "and load its weights (load_state_dict).",
     ]
-    assert "%%ondevice meta " in hint(err, ns, "y = model(x)", META)
+    assert "%%ondevice meta " in hint(err, ns, "y = model(x)", META)  # meta on purpose
 
 
 def test_cuda_form_suggests_the_gpu_named_in_the_message():

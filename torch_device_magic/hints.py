@@ -1,10 +1,10 @@
 """Hints on the classic device errors, shown after the traceback (which stays as it was).
 
     In [4]: y = model(x)
-    RuntimeError: Tensor on device meta is not on the expected device cpu!
+    RuntimeError: Expected all tensors to be on the same device, ... cuda:0 and cpu!
     Hint (torch_device_magic): the tensors this operation got are on different devices.
-      The cell uses: model (meta), x (cpu)
-      Fix: run the cell with %%ondevice meta (moves what it uses there), or .to(device) each one.
+      The cell uses: model (cuda:0), x (cpu)
+      Fix: run the cell with %%ondevice cuda:0 (moves what it uses there), or .to(device) each one.
 
 Four errors get one: tensors on different devices, out of memory, a CUDA
 checkpoint loaded without CUDA, and the DataLoader under a non-CPU default
@@ -78,10 +78,17 @@ def _mismatch(
     target = str(session) if session is not None else next(
         (d for d in found if d not in ("cpu", "meta")), "DEV"
     )
-    lines.append(
-        f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
-        "or .to(device) each one."
-    )
+    if "meta" in found and target != "meta":  # nothing can be copied off meta
+        lines.append(
+            "  Fix: meta tensors hold no data, so they cannot be moved to a real device: "
+            "build them there, or give a module storage with .to_empty(device=device) "
+            "and load its weights (load_state_dict)."
+        )
+    else:
+        lines.append(
+            f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
+            "or .to(device) each one."
+        )
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ class DeviceTiming:
 
     device: str
     runs_s: list[float]
-    speedup: float
+    speedup: float | None  # None: meta, which computes nothing, has no meaningful speed
     max_abs_diff: float | None  # None: not comparable (meta, other shapes, no value)
 
     @property
@@ -71,7 +71,7 @@ class Comparison:
                 d.device,
                 fmt_seconds(d.median_s),
                 f"{fmt_seconds(d.min_s)} … {fmt_seconds(d.max_s)}",
-                f"{d.speedup:.2f}×",
+                "n/a" if d.speedup is None else f"{d.speedup:.2f}×",
                 "" if d is first else _diff_text(d.max_abs_diff),
             ]
             for d in self.devices
@@ -119,6 +119,8 @@ def compare(
         if i == 0:
             reference = value
         speedup = timings[0].median_s / statistics.median(runs_s) if timings else 1.0
+        if "meta" in (dev.type, devices[0].type):
+            speedup = None if i else 1.0
         diff = None if i == 0 else difference(reference, value)
         timings.append(DeviceTiming(str(dev), runs_s, speedup, diff))
         del value  # before the next device runs: it may hold that device's memory

@@ -234,33 +234,30 @@ def test_cpu_build_never_asks_torch_cuda(monkeypatch):
     assert probes.active_accelerator() is None
 
 
-def test_a_stale_getrusage_mark_is_not_taken_for_a_peak(monkeypatch):
-    """getrusage keeps an exited thread's mark forever; VmHWM decides then."""
+def proc_reading_with_maxrss(monkeypatch, maxrss_bytes: int, kept_bytes: int):
+    """(delta, peak) of the /proc probe around keeping `kept_bytes`, getrusage faked."""
     try:
         probe = ProcHighWater()
     except OSError:
         pytest.skip("/proc refuses the reset here")
-    stale = types.SimpleNamespace(ru_maxrss=2**40 // 1024)
-    monkeypatch.setattr(probes.resource, "getrusage", lambda who: stale)
+    usage = types.SimpleNamespace(ru_maxrss=maxrss_bytes // 1024)
+    monkeypatch.setattr(probes.resource, "getrusage", lambda who: usage)
     probe.start()
-    kept = allocate(1 * MiB)
-    delta, peak = probe.stop()
-    probe.close()
-    del kept
+    kept = allocate(kept_bytes)
+    try:
+        return probe.stop()
+    finally:
+        probe.close()
+        del kept
+
+
+def test_a_stale_getrusage_mark_is_not_taken_for_a_peak(monkeypatch):
+    """getrusage keeps an exited thread's mark forever; VmHWM decides then."""
+    delta, peak = proc_reading_with_maxrss(monkeypatch, 2**40, 1 * MiB)
     assert peak < 8 * MiB and delta < 8 * MiB
 
 
 def test_a_lagging_high_water_mark_never_reads_below_the_delta(monkeypatch):
     """RSS and the high-water mark are separate counters: the peak is at least the delta."""
-    try:
-        probe = ProcHighWater()
-    except OSError:
-        pytest.skip("/proc refuses the reset here")
-    lagging = types.SimpleNamespace(ru_maxrss=0)
-    monkeypatch.setattr(probes.resource, "getrusage", lambda who: lagging)
-    probe.start()
-    kept = allocate(4 * MiB)
-    delta, peak = probe.stop()
-    probe.close()
-    del kept
+    delta, peak = proc_reading_with_maxrss(monkeypatch, 0, 4 * MiB)
     assert delta > 2 * MiB and peak == delta

@@ -143,6 +143,14 @@ def test_sizes_read_with_units(text, expected):
     assert parse_bytes(text) == expected
 
 
+@pytest.mark.parametrize("text", ["1e400", "1e400KiB", "9" * 400])
+def test_a_size_too_large_to_be_a_number_is_a_usage_error(ip, text):
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(f"%tensors --min-bytes {text}")
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(f"{text!r} is not a size")
+
+
 def test_magic_lists_and_returns_rows(ip, capsys):
     ip.run_cell("a = torch.ones(256); v = a[:2]; m = torch.zeros(3, device='meta'); a")
     capsys.readouterr()

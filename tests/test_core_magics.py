@@ -97,6 +97,12 @@ def test_bad_input_is_one_usage_error_and_changes_nothing(ip, line, message):
     assert state(ip) == before
 
 
+@pytest.mark.parametrize("line", ['%device "meta"', "%device 'meta'"])
+def test_a_quoted_device_reads_as_the_device(ip, line):
+    ip.run_cell(line)
+    assert ip.user_ns["device"] == torch.device("meta")
+
+
 def test_usage_error_prints_without_a_traceback(shell, capsys):
     shell.run_line_magic("load_ext", "torch_device_magic")
     result = super(type(shell), shell).run_cell("%device banana")

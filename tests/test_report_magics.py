@@ -209,6 +209,13 @@ def test_devhistory_table_records_csv(ip, capsys, tmp_path):
     assert float(rows[0]["wall_s"]) > 0
 
 
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_devhistory_csv_takes_a_quoted_path_with_spaces(ip, tmp_path, quote):
+    run(ip, "h = 1")
+    run(ip, f"%devhistory --csv {quote}{tmp_path}/my cells.csv{quote}")
+    assert [p.name for p in tmp_path.iterdir()] == ["my cells.csv"]
+
+
 def test_devhistory_plot_without_matplotlib_says_so(ip, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)

@@ -182,6 +182,12 @@ def test_bad_input_is_a_usage_error(ip, line, message):
     assert str(err.value).startswith(message)
 
 
+def test_a_quoted_size_with_a_space_reads_as_the_size(ip):
+    ip.run_cell("big = torch.ones(2**18); small = torch.ones(2)")
+    rows = ip.run_line_magic("tensors", '--min-bytes "1 MiB" -o')
+    assert [r.name for r in rows] == ["big"]
+
+
 def test_adams_cpu_step_counter_does_not_make_the_optimizer_span_devices():
     model = torch.nn.Linear(2, 2, device="meta")
     opt = torch.optim.Adam(model.parameters())

@@ -47,11 +47,24 @@ def parse(magic: Callable, line: str) -> Any:
     """Parse a magic's line; a mistake names the magic and where to read its options."""
     name = magic.__name__
     try:
-        return parse_argstring(magic, line)
+        args = parse_argstring(magic, line)
     except UsageError as err:
         raise UsageError(f"%{name}: {err} (see %{name}? for its options)") from None
     except ValueError as err:  # unbalanced quotes, from the line splitter
         raise UsageError(f"%{name}: cannot read {line!r}: {err}") from None
+    for key, value in vars(args).items():
+        if isinstance(value, str):
+            setattr(args, key, unquote(value))
+        elif isinstance(value, list):
+            setattr(args, key, [unquote(v) if isinstance(v, str) else v for v in value])
+    return args
+
+
+def unquote(text: str) -> str:
+    """`"my file.csv"` as `my file.csv`: IPython's line splitter keeps the quotes."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 @magics_class

@@ -216,6 +216,21 @@ def test_devhistory_csv_takes_a_quoted_path_with_spaces(ip, tmp_path, quote):
     assert [p.name for p in tmp_path.iterdir()] == ["my cells.csv"]
 
 
+def test_devhistory_csv_expands_the_home_directory(ip, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run(ip, "h = 1")
+    run(ip, "%devhistory --csv ~/cells.csv")
+    assert (tmp_path / "cells.csv").exists()
+
+
+def test_devhistory_csv_with_an_empty_path_is_a_usage_error(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="--csv needs a file name") as err:
+        run(ip, '%devhistory --csv ""')
+    assert type(err.value) is UsageError
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_devhistory_plot_without_matplotlib_says_so(ip, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)

@@ -12,6 +12,7 @@ a fixed amount of memory. A record holds numbers and strings, never a user objec
 from __future__ import annotations
 
 import csv
+import os
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -69,10 +70,13 @@ class History:
         return Table(title, HEADERS, rows, notes)
 
     def write_csv(self, path: str) -> int:
-        """Write every kept record to `path` (raw numbers, empty where not measured)."""
+        """Write every kept record to `path` (raw numbers, empty where not measured; `~` is
+        the home directory)."""
+        if not path.strip():
+            raise DeviceMagicError("--csv needs a file name, e.g. --csv cells.csv")
         names = Measurement.field_names()
         try:
-            with open(path, "w", newline="") as f:
+            with open(os.path.expanduser(path), "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(names)
                 for r in self._records:

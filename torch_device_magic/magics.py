@@ -546,13 +546,13 @@ class TorchDeviceMagics(Magics):
         """
         args = parse(self.devhistory, line)
         history = self.reporter.history
-        if args.csv:
+        if args.csv is not None:
             print(f"wrote {history.write_csv(args.csv)} records to {args.csv}")
         if args.plot:
             display(history.plot())
         if args.output:
             return history.records()
-        if not (args.csv or args.plot):
+        if not (args.csv is not None or args.plot):
             display(history.table())
         return None
 

@@ -252,6 +252,16 @@ def test_history_is_bounded():
     assert [r.cell for r in kept] == [7, 8, 9]
 
 
+# A device this machine lacks is refused, not measured as "no accelerator" or all n/a.
+BAD_GPUMEM_DEVICES = []
+if torch.cuda.device_count() <= 7:
+    BAD_GPUMEM_DEVICES.append(("%%gpumem --device cuda:7\nx = 1", "cuda:7 is not available"))
+if not torch.cuda.is_available():
+    BAD_GPUMEM_DEVICES.append(("%%gpumem --device cuda\nx = 1", "cuda is not available"))
+if not torch.backends.mps.is_available():
+    BAD_GPUMEM_DEVICES.append(("%%gpumem --device mps\nx = 1", "mps is not available"))
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -259,6 +269,7 @@ def test_history_is_bounded():
         ("%%gpumem --device banana\nx = 1", "'banana' is not a device"),
         ("%devhistory --csv", "%devhistory: argument --csv: expected one argument"),
         ("%devreport maybe", "%devreport takes on, off or status, not 'maybe'"),
+        *BAD_GPUMEM_DEVICES,
     ],
 )
 def test_bad_input_is_one_usage_error(ip, line, message):

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from . import cells
-from .devices import parse
 from .measure import Measurement, Meter
 from .probes import active_accelerator, nvml_used_bytes
 from .reports import Table
@@ -116,13 +115,15 @@ def new_tensors(
     return sorted(found, key=lambda t: t.bytes, reverse=True)[:limit]
 
 
-def measure(shell: Any, cell: str, device: str | None = None) -> tuple[GpumemReport, Any]:
-    """Run `cell` as the shell would, measured; the report and the cell's value."""
+def measure(
+    shell: Any, cell: str, device: torch.device | None = None
+) -> tuple[GpumemReport, Any]:
+    """Run `cell` as the shell would, measured on `device` (default: the session's
+    accelerator); the report and the cell's value."""
     __tracebackhide__ = True
-    target = None if device is None else parse(device)
     before = tensor_ids(shell.user_ns)
     meter = Meter(sync=True)
-    meter.start(target)
+    meter.start(device)
     try:
         value = cells.run(shell, cell)
         measured = meter.stop()

@@ -498,8 +498,8 @@ class TorchDeviceMagics(Magics):
               "device_s, device_delta_bytes, device_peak_bytes, device_reserved_delta_bytes, "
               "host_delta_bytes, host_peak_bytes; None where not measured)")
     @argument("-q", dest="quiet", action="store_true", help="do not display the report")
-    @argument("--device", help="the accelerator to measure (default: the session device if "
-              "it is one, else the current device of the runtime in use)")
+    @argument("--device", help="the accelerator to measure, one this machine has (default: "
+              "the session device if it is one, else the current device of the runtime in use)")
     @cell_magic
     @user_errors
     def gpumem(self, line: str, cell: str) -> Any:
@@ -521,7 +521,8 @@ class TorchDeviceMagics(Magics):
         """
         __tracebackhide__ = True
         args = parse(self.gpumem, line)
-        report, value = gpumem.measure(self.shell, cell, args.device)
+        device = None if args.device is None else self._resolve(args.device)[0]
+        report, value = gpumem.measure(self.shell, cell, device)
         self.reporter.adopt(report)
         if args.output:
             return report

@@ -171,6 +171,13 @@ def test_gpumem_names_the_largest_new_tensors_and_returns_the_value(ip, capsys):
     assert "(1000, 1000)" in table and "float32" in table
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_gpumem_lists_a_nested_tensor_and_returns_the_value(ip, capsys):
+    result = run(ip, "%%gpumem\nnt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])\n7")
+    assert result.result == 7
+    assert "nt    (2, None)  float32  cpu     20 B" in capsys.readouterr().out
+
+
 def test_gpumem_quiet_shows_nothing(ip, capsys):
     run(ip, "%%gpumem -q\nf = 1")
     assert capsys.readouterr().out == ""

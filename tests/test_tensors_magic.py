@@ -188,6 +188,13 @@ def test_a_quoted_size_with_a_space_reads_as_the_size(ip):
     assert [r.name for r in rows] == ["big"]
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_with_ragged_dimensions_is_listed(ip):
+    ip.run_cell("nt = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)])")
+    [row] = ip.run_line_magic("tensors", "-o")
+    assert (row.name, row.shape, row.nbytes) == ("nt", "(2, None, 4)", 80)
+
+
 def test_adams_cpu_step_counter_does_not_make_the_optimizer_span_devices():
     model = torch.nn.Linear(2, 2, device="meta")
     opt = torch.optim.Adam(model.parameters())

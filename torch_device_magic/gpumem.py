@@ -25,6 +25,7 @@ import torch
 
 from . import cells
 from .measure import Measurement, Meter
+from .namespace import shape_of
 from .probes import active_accelerator, nvml_used_bytes
 from .reports import Table
 from .units import fmt_bytes, fmt_seconds
@@ -37,7 +38,7 @@ class TensorInfo:
     """One tensor the cell left in the namespace: its name and what it occupies."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]  # None: a nested tensor's ragged dimension
     dtype: str
     device: str
     bytes: int
@@ -107,7 +108,7 @@ def new_tensors(
 ) -> list[TensorInfo]:
     """The largest tensors bound to names that are new or rebound since `before`."""
     found = [
-        TensorInfo(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), str(v.device),
+        TensorInfo(k, shape_of(v), str(v.dtype).removeprefix("torch."), str(v.device),
                    v.element_size() * v.numel())
         for k, v in namespace.items()
         if isinstance(v, torch.Tensor) and before.get(k) != id(v) and not k.startswith("_")

@@ -277,9 +277,23 @@ def _kind(obj: object) -> str:
     return type(obj).__name__
 
 
+def shape_of(t: Tensor) -> tuple[int | None, ...]:
+    """`t`'s sizes; a ragged dimension of a nested tensor, which has none, reads None."""
+    try:
+        return tuple(t.shape)
+    except RuntimeError:  # a strided nested tensor refuses `.shape` ("irregular" dimensions)
+        sizes: list[int | None] = []
+        for dim in range(t.dim()):
+            try:
+                sizes.append(t.size(dim))
+            except RuntimeError:
+                sizes.append(None)
+        return tuple(sizes)
+
+
 def _shape(obj: object, f: _Found) -> str:
     if isinstance(obj, Tensor):
-        return str(tuple(obj.shape))
+        return str(shape_of(obj))
     if isinstance(obj, torch.nn.Module):
         return f"{_count(sum(p.numel() for p in _materialised(obj.parameters())))} params"
     if isinstance(obj, torch.optim.Optimizer):

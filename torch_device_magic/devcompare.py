@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import cells
 from .devices import Inventory, resolve
-from .errors import DeviceMagicError
+from .errors import DeviceMagicError, first_sentence
 from .moving import cell_names, move
 from .namespace import scan
 from .probes import active_accelerator, clock
@@ -164,7 +164,8 @@ def _copies(ns: dict, names: list[str]) -> dict[str, object]:
     try:
         return copy.deepcopy({n: ns[n] for n in names}, memo)
     except Exception as err:
-        raise DeviceMagicError(f"%%devcompare could not copy the cell's inputs: {err}") from None
+        reason = first_sentence(err)
+        raise DeviceMagicError(f"%%devcompare could not copy the cell's inputs: {reason}") from None
 
 
 def _synchronize(dev: torch.device) -> None:

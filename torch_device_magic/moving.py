@@ -43,7 +43,7 @@ from weakref import getweakrefcount
 import torch
 from torch import Tensor
 
-from .errors import DeviceMagicError
+from .errors import DeviceMagicError, first_sentence
 from .reports import Table
 from .units import fmt_bytes, fmt_seconds
 
@@ -410,7 +410,7 @@ def _failure(plan: _Plan, group: list[Tensor], target, exc: Exception) -> str:
         free = _free_bytes(target)
         reason = "out of memory" + (f" with {fmt_bytes(free)} free" if free is not None else "")
     else:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        reason = first_sentence(exc)
     return f"Could not move {what} ({size}) to {target}: {reason}; nothing was moved."
 
 

@@ -100,6 +100,14 @@ def test_inputs_that_cannot_be_copied_are_one_short_sentence(nsip):
     assert {k: id(v) for k, v in nsip.user_ns.items()} == before
 
 
+def test_inputs_that_cannot_move_do_not_say_the_cell_failed(nsip, capsys):
+    nsip.run_cell("m = torch.ones(2, device='meta')")
+    with pytest.raises(UsageError, match=r"Could not move m .* to cpu: it is on the meta device"):
+        nsip.run_cell("%%devcompare cpu meta\nran = m")
+    assert "the cell failed" not in capsys.readouterr().err
+    assert "ran" not in nsip.user_ns
+
+
 def test_the_table_reads_well(nsip, capsys):
     nsip.run_cell("%%devcompare cpu meta -n 3\na @ a.T")
     out = capsys.readouterr().out.splitlines()

@@ -148,6 +148,8 @@ def _on_device(
                 _synchronize(dev)
                 runs_s.append(clock() - start)
         return runs_s, value
+    except DeviceMagicError:  # the inputs could not be copied or moved: the cell did not run
+        raise
     except Exception:
         print(f"%%devcompare: the cell failed on {dev}", file=sys.stderr)
         raise

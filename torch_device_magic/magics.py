@@ -38,7 +38,10 @@ def user_errors(method: Callable) -> Callable:
         try:
             return method(*args, **kwargs)
         except DeviceMagicError as err:
-            raise UsageError(str(err)) from None
+            message = str(err)
+        # Raised out here, the UsageError has no __context__: the DeviceMagicError's
+        # frames (a failed move's plan, with the user's tensors) are not kept with it.
+        raise UsageError(message)
 
     return wrapper
 

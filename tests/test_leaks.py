@@ -41,3 +41,11 @@ def tensors_freed_after(ip, cell: str, fault=None) -> bool:
 
 def test_a_failed_move_keeps_nothing_alive(ip):
     assert tensors_freed_after(ip, "%%ondevice meta\nx + y", FailOnAllocation(META, 2))
+
+
+def test_a_failed_devcompare_keeps_nothing_alive(ip):
+    assert tensors_freed_after(ip, "%%devcompare cpu meta -n 1\nx + y\n1 / 0")
+
+
+def test_a_devcompare_failing_on_the_second_device_keeps_nothing_alive(ip):
+    assert tensors_freed_after(ip, "%%devcompare cpu meta -n 1\nz = x + y\nz.tolist()")

@@ -49,3 +49,7 @@ def test_a_failed_devcompare_keeps_nothing_alive(ip):
 
 def test_a_devcompare_failing_on_the_second_device_keeps_nothing_alive(ip):
     assert tensors_freed_after(ip, "%%devcompare cpu meta -n 1\nz = x + y\nz.tolist()")
+
+
+def test_a_failed_cell_restored_from_meta_keeps_nothing_alive(ip):
+    assert tensors_freed_after(ip, "%%ondevice meta --restore\nx + y\n1 / 0")

@@ -506,6 +506,17 @@ def test_restore_needs_a_restorable_move():
         restore({}, move({}, [], META))
 
 
+def test_a_restored_move_lets_go_of_the_originals():
+    ns = {"t": torch.ones(3)}
+    ref = weakref.ref(ns["t"])
+    result = move(ns, ["t"], META, restorable=True)
+    restore(ns, result)
+    del ns["t"]
+    assert ref() is None  # `result` is still alive: a traceback may hold it
+    with pytest.raises(ValueError, match="once"):
+        restore(ns, result)
+
+
 # --- reporting ----------------------------------------------------------------------------
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -101,6 +103,19 @@ def test_bad_input_is_one_usage_error_and_changes_nothing(ip, line, message):
 def test_a_quoted_device_reads_as_the_device(ip, line):
     ip.run_cell(line)
     assert ip.user_ns["device"] == torch.device("meta")
+
+
+@pytest.mark.parametrize("line", [
+    "%device --bogus", "%%ondevice meta --bogus\n1", "%%nograd --bogus\n1", "%tensors --bogus",
+    "%%devcompare cpu meta --bogus\n1", "%gpufree --bogus", "%devreport --bogus",
+    "%%gpumem --bogus\n1", "%devhistory --bogus",
+])
+def test_an_option_mistake_points_at_help_that_exists(ip, line):
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    magic = re.search(r"\(see (%%?\w+)\? for its options\)$", str(err.value)).group(1)
+    assert str(err.value).startswith(f"{magic}: unrecognized arguments: --bogus")
+    assert ip.object_inspect(magic)["found"]
 
 
 def test_usage_error_prints_without_a_traceback(shell, capsys):

@@ -272,7 +272,7 @@ if not torch.backends.mps.is_available():
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("%%gpumem --bogus\nx = 1", "%gpumem: unrecognized arguments: --bogus"),
+        ("%%gpumem --bogus\nx = 1", "%%gpumem: unrecognized arguments: --bogus"),
         ("%%gpumem --device banana\nx = 1", "'banana' is not a device"),
         ("%devhistory --csv", "%devhistory: argument --csv: expected one argument"),
         ("%devreport maybe", "%devreport takes on, off or status, not 'maybe'"),

@@ -48,7 +48,10 @@ def user_errors(method: Callable) -> Callable:
 
 def parse(magic: Callable, line: str) -> Any:
     """Parse a magic's line; a mistake names the magic and where to read its options."""
+    # `%name?` finds no help for a magic that is only a cell magic: that one is `%%name`.
     name = magic.__name__
+    if name not in magic.__self__.magics["line"]:
+        name = f"%{name}"
     try:
         args = parse_argstring(magic, line)
     except UsageError as err:

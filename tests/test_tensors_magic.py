@@ -115,6 +115,19 @@ def test_filters_by_device_and_size():
     assert [r.name for r in scan(ns, min_bytes=1000).rows] == ["big"]
 
 
+def test_filters_that_keep_nothing_say_so_and_a_filtered_title_says_which():
+    ns = {"small": torch.zeros(2), "m": torch.zeros(5, device="meta")}
+    assert str(scan(ns, min_bytes=1024)) == (
+        "no tensors, modules or optimizers in the namespace holding at least 1.0 KiB"
+    )
+    assert str(scan(ns, device=torch.device("cuda"), min_bytes=4)) == (
+        "no tensors, modules or optimizers in the namespace on cuda, holding at least 4 B"
+    )
+    assert str(scan(ns, device=torch.device("meta"))).startswith(
+        "tensors in the namespace on meta (1 name)\n"
+    )
+
+
 def test_hidden_and_underscore_names_are_skipped():
     t = torch.zeros(1)
     assert scan({"Out": {1: t}, "_": t, "_5": t, "t": t}, hidden={"Out"}).totals == {"cpu": 4}

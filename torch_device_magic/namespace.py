@@ -90,10 +90,11 @@ class TensorsReport:
     totals: dict[str, int]
     shared: list[str]
     warnings: list[str]
+    kept: str = ""  # what the filters kept: " on cuda, holding at least 1.0 MiB"
 
     def table(self) -> Table:
         if not self.rows:
-            return Table("no tensors, modules or optimizers in the namespace", [], [])
+            return Table(f"no tensors, modules or optimizers in the namespace{self.kept}", [], [])
         rows = [
             [r.name, r.kind, r.device, r.dtype, r.shape, fmt_bytes(r.nbytes), _grad_text(r)]
             for r in self.rows
@@ -103,7 +104,7 @@ class TensorsReport:
         notes += self.shared + [f"warning: {w}" for w in self.warnings]
         headers = ["name", "kind", "device", "dtype", "shape", "bytes", "grad"]
         names = f"{len(self.rows)} name{'s' if len(self.rows) > 1 else ''}"
-        return Table(f"tensors in the namespace ({names})", headers, rows, notes)
+        return Table(f"tensors in the namespace{self.kept} ({names})", headers, rows, notes)
 
     def __str__(self) -> str:
         return self.table().text()
@@ -149,7 +150,15 @@ def scan(
         totals={dev: sum(s.values()) for dev, s in sorted(totals.items())},
         shared=shared,
         warnings=[w for _, f in found for w in f.warnings],
+        kept=_kept(device, min_bytes),
     )
+
+
+def _kept(device: torch.device | None, min_bytes: int) -> str:
+    parts = [] if device is None else [f"on {device}"]
+    if min_bytes:
+        parts.append(f"holding at least {fmt_bytes(min_bytes)}")
+    return f" {', '.join(parts)}" if parts else ""
 
 
 def _on(found: _Found, device: torch.device | None) -> bool:

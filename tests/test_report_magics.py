@@ -252,6 +252,12 @@ def test_devhistory_plot_draws_time_and_memory(ip):
     assert len(fig.axes) == 2
 
 
+def test_a_history_of_one_cell_reads_in_the_singular():
+    kept = History()
+    kept.append(Measurement(0.1, cell=1))
+    assert kept.table().title == "per-cell history: 1 cell (the last 1000 are kept)"
+
+
 def test_history_is_bounded():
     kept = History(maxlen=3)
     for n in range(10):

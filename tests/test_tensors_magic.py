@@ -68,7 +68,7 @@ def test_modules_optimizers_and_containers_each_make_one_row():
     assert by_name["opt"].nbytes == 40  # its momentum buffers; the parameters are the model's
     assert by_name["opt"].grad_bytes is None  # the gradients show on the model's row
     assert scan({"opt": opt}).totals == {"cpu": 40 + 40 + 40}  # alone, it holds them all
-    assert by_name["nested"].shape == "1 tensors"
+    assert by_name["nested"].shape == "1 tensor"
     assert report.totals == {"cpu": 40 + 40 + 40 + 8}  # params, grads, momentum, nested
     assert report.warnings == []
 
@@ -126,6 +126,12 @@ def test_filters_that_keep_nothing_say_so_and_a_filtered_title_says_which():
     assert str(scan(ns, device=torch.device("meta"))).startswith(
         "tensors in the namespace on meta (1 name)\n"
     )
+
+
+def test_one_thing_reads_in_the_singular():
+    model = torch.nn.Linear(2, 2, bias=False)
+    ns = {"pair": [torch.ones(2)], "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    assert [r.shape for r in scan(ns).rows] == ["1 param tensor", "1 tensor"]
 
 
 def test_hidden_and_underscore_names_are_skipped():

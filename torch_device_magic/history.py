@@ -20,7 +20,7 @@ from typing import Any
 from .errors import DeviceMagicError
 from .measure import Measurement
 from .reports import Table
-from .units import fmt_bytes, fmt_seconds
+from .units import fmt_bytes, fmt_seconds, plural
 
 HEADERS = [
     "cell", "time", "device time", "device", "device Δ", "device peak", "host Δ", "host peak"
@@ -65,7 +65,7 @@ class History:
             ]
             for r in self._records
         ]
-        title = f"per-cell history: {len(rows)} cells (the last {self.maxlen} are kept)"
+        title = f"per-cell history: {plural(len(rows), 'cell')} (the last {self.maxlen} are kept)"
         notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
         return Table(title, HEADERS, rows, notes)
 

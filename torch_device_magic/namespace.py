@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .reports import Table
-from .units import fmt_bytes
+from .units import fmt_bytes, plural
 
 WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
 
@@ -306,8 +306,8 @@ def _shape(obj: object, f: _Found) -> str:
     if isinstance(obj, torch.nn.Module):
         return f"{_count(sum(p.numel() for p in _materialised(obj.parameters())))} params"
     if isinstance(obj, torch.optim.Optimizer):
-        return f"{sum(len(g['params']) for g in obj.param_groups)} param tensors"
-    return f"{f.count} tensors"
+        return plural(sum(len(g["params"]) for g in obj.param_groups), "param tensor")
+    return plural(f.count, "tensor")
 
 
 def _count(n: int) -> str:

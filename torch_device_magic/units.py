@@ -25,6 +25,11 @@ def fmt_bytes(n: float | None, signed: bool = False) -> str:
     return f"{sign}{value:.1f} {_BYTE_UNITS[unit]}"
 
 
+def plural(n: int, word: str) -> str:
+    """`plural(1, 'cell') == '1 cell'`, `plural(1204, 'object') == '1,204 objects'`."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def fmt_seconds(s: float | None) -> str:
     """`fmt_seconds(0.0123) == '12.3 ms'`; None reads 'n/a'."""
     if s is None:

@@ -301,7 +301,8 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         if cell is None:
             raise DeviceMagicError(
-                "%ondevice is a cell magic: put %%ondevice DEV on the first line of the cell"
+                "%ondevice is a cell magic: put %%ondevice DEV on a cell's first line and the "
+                "code to run under it (%device DEV sets the device for the cells that follow)"
             )
         args = parse(self.ondevice, line)
         dev = self._cell_device(args.spec)

@@ -307,6 +307,18 @@ def test_a_failing_probe_prints_no_traceback_and_says_what_is_missing(ip, capsys
     assert history(ip)[-1].host_peak_bytes is None
 
 
+def test_gpumem_says_plainly_when_host_memory_could_not_be_read(ip, capsys, monkeypatch):
+    def broken(*args):
+        raise OSError("proc went away")
+
+    monkeypatch.setattr(probes.os, "pread", broken)
+    monkeypatch.setattr(probes.os, "pwrite", broken)
+    monkeypatch.setattr(probes, "rss_bytes", lambda: None)
+    run(ip, "%%gpumem --device cpu\ni = 1")
+    rows = capsys.readouterr().out.splitlines()
+    assert [row.split() for row in rows if row.startswith("host RSS")] == [["host", "RSS", "n/a"]]
+
+
 def test_a_fault_in_the_reporter_is_one_line(ip, capsys, monkeypatch):
     def boom(self):
         raise RuntimeError("boom")

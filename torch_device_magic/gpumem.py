@@ -58,6 +58,8 @@ class GpumemReport(Measurement):
             f"{fmt_bytes(self.host_delta_bytes, signed=True)}, "
             f"peak {fmt_bytes(self.host_peak_bytes)} above the start"
         )
+        if self.host_delta_bytes is None and self.host_peak_bytes is None:
+            host = "n/a"  # not "n/a, peak n/a above the start"
         if self.device is None:
             title = "%%gpumem: no accelerator in use, so host memory only"
             rows = [["wall time", fmt_seconds(self.wall_s)], ["host RSS", host]]

@@ -190,6 +190,16 @@ def test_traceback_points_at_the_cells_own_line(shell, capsys):
     assert "1 / 0" in out
 
 
+def test_a_syntax_error_points_at_the_cells_own_line(shell, capsys):
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    n = shell.execution_count
+    super(type(shell), shell).run_cell("%%nograd\nx = 1\nx +\n", store_history=True)
+    out = capsys.readouterr().out
+    assert "SyntaxError" in out
+    assert f"In[{n}], line 2" in out or f"<ipython-input-{n}-" in out
+    assert "<unknown>" not in out
+
+
 def test_shell_escapes_and_nested_magics_work(ip):
     ip.run_cell("%%nograd\nfiles = !echo hello\n%device meta\nz = torch.zeros(1)")
     assert list(ip.user_ns["files"]) == ["hello"]

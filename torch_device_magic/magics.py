@@ -539,7 +539,8 @@ class TorchDeviceMagics(Magics):
 
     @magic_arguments()
     @argument("-o", dest="output", action="store_true", help="return the records")
-    @argument("--csv", metavar="PATH", help="write the records to a CSV file")
+    @argument("--csv", metavar="PATH", help="write the records to a CSV file (~ is your home; "
+              'a path with spaces goes in quotes: --csv "my cells.csv")')
     @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib)")
     @line_magic
     @user_errors

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -97,6 +99,25 @@ def test_bad_input_is_one_usage_error_and_changes_nothing(ip, line, message):
     assert state(ip) == before
 
 
+@pytest.mark.parametrize("line", ['%device "meta"', "%device 'meta'"])
+def test_a_quoted_device_reads_as_the_device(ip, line):
+    ip.run_cell(line)
+    assert ip.user_ns["device"] == torch.device("meta")
+
+
+@pytest.mark.parametrize("line", [
+    "%device --bogus", "%%ondevice meta --bogus\n1", "%%nograd --bogus\n1", "%tensors --bogus",
+    "%%devcompare cpu meta --bogus\n1", "%gpufree --bogus", "%devreport --bogus",
+    "%%gpumem --bogus\n1", "%devhistory --bogus",
+])
+def test_an_option_mistake_points_at_help_that_exists(ip, line):
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    magic = re.search(r"\(see (%%?\w+)\? for its options\)$", str(err.value)).group(1)
+    assert str(err.value).startswith(f"{magic}: unrecognized arguments: --bogus")
+    assert ip.object_inspect(magic)["found"]
+
+
 def test_usage_error_prints_without_a_traceback(shell, capsys):
     shell.run_line_magic("load_ext", "torch_device_magic")
     result = super(type(shell), shell).run_cell("%device banana")
@@ -167,6 +188,16 @@ def test_traceback_points_at_the_cells_own_line(shell, capsys):
     assert "ZeroDivisionError" in out
     assert f"In[{n}], line 3" in out or f"<ipython-input-{n}-" in out
     assert "1 / 0" in out
+
+
+def test_a_syntax_error_points_at_the_cells_own_line(shell, capsys):
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    n = shell.execution_count
+    super(type(shell), shell).run_cell("%%nograd\nx = 1\nx +\n", store_history=True)
+    out = capsys.readouterr().out
+    assert "SyntaxError" in out
+    assert f"In[{n}], line 2" in out or f"<ipython-input-{n}-" in out
+    assert "<unknown>" not in out
 
 
 def test_shell_escapes_and_nested_magics_work(ip):

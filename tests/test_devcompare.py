@@ -86,6 +86,28 @@ def test_a_failure_says_on_which_device_and_restores_everything(nsip, capsys):
     assert_unchanged(nsip, before)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_inputs_that_cannot_be_copied_are_one_short_sentence(nsip):
+    nsip.run_cell("nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])")
+    before = {k: id(v) for k, v in nsip.user_ns.items()}  # torch.equal refuses nested tensors
+    with pytest.raises(UsageError) as err:
+        nsip.run_cell("%%devcompare cpu meta\nnt")
+    assert type(err.value) is UsageError
+    assert str(err.value) == (
+        "%%devcompare could not copy the cell's inputs: Could not run 'aten::new_empty' "
+        "with arguments from the 'NestedTensorCPU' backend"
+    )
+    assert {k: id(v) for k, v in nsip.user_ns.items()} == before
+
+
+def test_inputs_that_cannot_move_do_not_say_the_cell_failed(nsip, capsys):
+    nsip.run_cell("m = torch.ones(2, device='meta')")
+    with pytest.raises(UsageError, match=r"Could not move m .* to cpu: it is on the meta device"):
+        nsip.run_cell("%%devcompare cpu meta\nran = m")
+    assert "the cell failed" not in capsys.readouterr().err
+    assert "ran" not in nsip.user_ns
+
+
 def test_the_table_reads_well(nsip, capsys):
     nsip.run_cell("%%devcompare cpu meta -n 3\na @ a.T")
     out = capsys.readouterr().out.splitlines()

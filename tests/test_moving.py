@@ -425,6 +425,25 @@ def test_the_error_names_the_object_and_its_size():
         moved_all(ns, META)
 
 
+TORCH_ESSAY = (
+    "Could not run 'aten::_to_copy' with arguments from the 'NestedTensorMeta' backend. "
+    "This could be because the operator doesn't exist for this backend, or was omitted. "
+    "'aten::_to_copy' is only available for these backends: [CPU, CUDA, " + "X, " * 300 + "]"
+    "\n\nUndefined: registered at RegisterCompositeExplicitAutograd_0.cpp:4472"
+)
+
+
+def test_a_long_torch_error_is_cut_to_its_first_sentence():
+    ns = {"x": torch.zeros(4)}
+    fault = FailOnAllocation(META, 1, NotImplementedError(TORCH_ESSAY))
+    with pytest.raises(DeviceMagicError) as info, fault:
+        moved_all(ns, META)
+    assert str(info.value) == (
+        "Could not move x (16 B) to meta: Could not run 'aten::_to_copy' with arguments "
+        "from the 'NestedTensorMeta' backend; nothing was moved."
+    )
+
+
 def test_a_meta_tensor_cannot_move_to_the_cpu_and_nothing_changes():
     a, m = torch.ones(2), torch.empty(2, device=META)
     ns = {"a": a, "m": m}
@@ -485,6 +504,17 @@ def test_restore_puts_back_a_tensor_that_was_replaced():
 def test_restore_needs_a_restorable_move():
     with pytest.raises(ValueError, match="restorable=True"):
         restore({}, move({}, [], META))
+
+
+def test_a_restored_move_lets_go_of_the_originals():
+    ns = {"t": torch.ones(3)}
+    ref = weakref.ref(ns["t"])
+    result = move(ns, ["t"], META, restorable=True)
+    restore(ns, result)
+    del ns["t"]
+    assert ref() is None  # `result` is still alive: a traceback may hold it
+    with pytest.raises(ValueError, match="once"):
+        restore(ns, result)
 
 
 # --- reporting ----------------------------------------------------------------------------

@@ -144,6 +144,19 @@ if torch.cuda.device_count() <= 3:
     BAD_LINES.append(("%%ondevice cuda:3\nran = True", "cuda:3 is not available"))
 
 
+@pytest.mark.parametrize(("cell", "line"), [
+    ("%%ondevice meta\n", "%ondevice meta"), ("%%devcompare cpu meta\n", "%devcompare cpu meta"),
+])
+def test_an_empty_cell_does_not_send_the_user_round_in_a_circle(ip, cell, line):
+    # IPython answers an empty cell magic with "Did you mean the line magic?"; the line
+    # magic must then say what to do instead of sending the user back to the cell magic.
+    with pytest.raises(UsageError, match="Did you mean the line magic"):
+        ip.run_cell(cell)
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    assert "the code" in str(err.value) and "under it" in str(err.value)
+
+
 @pytest.mark.parametrize(("line", "message"), BAD_LINES)
 def test_bad_input_is_one_usage_error_and_changes_nothing(ip, ns, line, message):
     before = state(ip)

@@ -171,6 +171,13 @@ def test_gpumem_names_the_largest_new_tensors_and_returns_the_value(ip, capsys):
     assert "(1000, 1000)" in table and "float32" in table
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_gpumem_lists_a_nested_tensor_and_returns_the_value(ip, capsys):
+    result = run(ip, "%%gpumem\nnt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])\n7")
+    assert result.result == 7
+    assert "nt    (2, None)  float32  cpu     20 B" in capsys.readouterr().out
+
+
 def test_gpumem_quiet_shows_nothing(ip, capsys):
     run(ip, "%%gpumem -q\nf = 1")
     assert capsys.readouterr().out == ""
@@ -209,6 +216,28 @@ def test_devhistory_table_records_csv(ip, capsys, tmp_path):
     assert float(rows[0]["wall_s"]) > 0
 
 
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_devhistory_csv_takes_a_quoted_path_with_spaces(ip, tmp_path, quote):
+    run(ip, "h = 1")
+    run(ip, f"%devhistory --csv {quote}{tmp_path}/my cells.csv{quote}")
+    assert [p.name for p in tmp_path.iterdir()] == ["my cells.csv"]
+
+
+def test_devhistory_csv_expands_the_home_directory(ip, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run(ip, "h = 1")
+    run(ip, "%devhistory --csv ~/cells.csv")
+    assert (tmp_path / "cells.csv").exists()
+
+
+def test_devhistory_csv_with_an_empty_path_is_a_usage_error(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="--csv needs a file name") as err:
+        run(ip, '%devhistory --csv ""')
+    assert type(err.value) is UsageError
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_devhistory_plot_without_matplotlib_says_so(ip, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
@@ -223,6 +252,12 @@ def test_devhistory_plot_draws_time_and_memory(ip):
     assert len(fig.axes) == 2
 
 
+def test_a_history_of_one_cell_reads_in_the_singular():
+    kept = History()
+    kept.append(Measurement(0.1, cell=1))
+    assert kept.table().title == "per-cell history: 1 cell (the last 1000 are kept)"
+
+
 def test_history_is_bounded():
     kept = History(maxlen=3)
     for n in range(10):
@@ -230,13 +265,24 @@ def test_history_is_bounded():
     assert [r.cell for r in kept] == [7, 8, 9]
 
 
+# A device this machine lacks is refused, not measured as "no accelerator" or all n/a.
+BAD_GPUMEM_DEVICES = []
+if torch.cuda.device_count() <= 7:
+    BAD_GPUMEM_DEVICES.append(("%%gpumem --device cuda:7\nx = 1", "cuda:7 is not available"))
+if not torch.cuda.is_available():
+    BAD_GPUMEM_DEVICES.append(("%%gpumem --device cuda\nx = 1", "cuda is not available"))
+if not torch.backends.mps.is_available():
+    BAD_GPUMEM_DEVICES.append(("%%gpumem --device mps\nx = 1", "mps is not available"))
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("%%gpumem --bogus\nx = 1", "%gpumem: unrecognized arguments: --bogus"),
+        ("%%gpumem --bogus\nx = 1", "%%gpumem: unrecognized arguments: --bogus"),
         ("%%gpumem --device banana\nx = 1", "'banana' is not a device"),
         ("%devhistory --csv", "%devhistory: argument --csv: expected one argument"),
         ("%devreport maybe", "%devreport takes on, off or status, not 'maybe'"),
+        *BAD_GPUMEM_DEVICES,
     ],
 )
 def test_bad_input_is_one_usage_error(ip, line, message):
@@ -259,6 +305,18 @@ def test_a_failing_probe_prints_no_traceback_and_says_what_is_missing(ip, capsys
     assert "host n/a" in out.out
     assert "Traceback" not in out.out + out.err
     assert history(ip)[-1].host_peak_bytes is None
+
+
+def test_gpumem_says_plainly_when_host_memory_could_not_be_read(ip, capsys, monkeypatch):
+    def broken(*args):
+        raise OSError("proc went away")
+
+    monkeypatch.setattr(probes.os, "pread", broken)
+    monkeypatch.setattr(probes.os, "pwrite", broken)
+    monkeypatch.setattr(probes, "rss_bytes", lambda: None)
+    run(ip, "%%gpumem --device cpu\ni = 1")
+    rows = capsys.readouterr().out.splitlines()
+    assert [row.split() for row in rows if row.startswith("host RSS")] == [["host", "RSS", "n/a"]]
 
 
 def test_a_fault_in_the_reporter_is_one_line(ip, capsys, monkeypatch):

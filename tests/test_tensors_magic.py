@@ -68,7 +68,7 @@ def test_modules_optimizers_and_containers_each_make_one_row():
     assert by_name["opt"].nbytes == 40  # its momentum buffers; the parameters are the model's
     assert by_name["opt"].grad_bytes is None  # the gradients show on the model's row
     assert scan({"opt": opt}).totals == {"cpu": 40 + 40 + 40}  # alone, it holds them all
-    assert by_name["nested"].shape == "1 tensors"
+    assert by_name["nested"].shape == "1 tensor"
     assert report.totals == {"cpu": 40 + 40 + 40 + 8}  # params, grads, momentum, nested
     assert report.warnings == []
 
@@ -115,6 +115,25 @@ def test_filters_by_device_and_size():
     assert [r.name for r in scan(ns, min_bytes=1000).rows] == ["big"]
 
 
+def test_filters_that_keep_nothing_say_so_and_a_filtered_title_says_which():
+    ns = {"small": torch.zeros(2), "m": torch.zeros(5, device="meta")}
+    assert str(scan(ns, min_bytes=1024)) == (
+        "no tensors, modules or optimizers in the namespace holding at least 1.0 KiB"
+    )
+    assert str(scan(ns, device=torch.device("cuda"), min_bytes=4)) == (
+        "no tensors, modules or optimizers in the namespace on cuda, holding at least 4 B"
+    )
+    assert str(scan(ns, device=torch.device("meta"))).startswith(
+        "tensors in the namespace on meta (1 name)\n"
+    )
+
+
+def test_one_thing_reads_in_the_singular():
+    model = torch.nn.Linear(2, 2, bias=False)
+    ns = {"pair": [torch.ones(2)], "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    assert [r.shape for r in scan(ns).rows] == ["1 param tensor", "1 tensor"]
+
+
 def test_hidden_and_underscore_names_are_skipped():
     t = torch.zeros(1)
     assert scan({"Out": {1: t}, "_": t, "_5": t, "t": t}, hidden={"Out"}).totals == {"cpu": 4}
@@ -141,6 +160,14 @@ def test_empty_namespace_says_so():
 ])
 def test_sizes_read_with_units(text, expected):
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e400KiB", "9" * 400])
+def test_a_size_too_large_to_be_a_number_is_a_usage_error(ip, text):
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(f"%tensors --min-bytes {text}")
+    assert type(err.value) is UsageError
+    assert str(err.value).startswith(f"{text!r} is not a size")
 
 
 def test_magic_lists_and_returns_rows(ip, capsys):
@@ -172,6 +199,19 @@ def test_bad_input_is_a_usage_error(ip, line, message):
         ip.run_cell(line)
     assert type(err.value) is UsageError
     assert str(err.value).startswith(message)
+
+
+def test_a_quoted_size_with_a_space_reads_as_the_size(ip):
+    ip.run_cell("big = torch.ones(2**18); small = torch.ones(2)")
+    rows = ip.run_line_magic("tensors", '--min-bytes "1 MiB" -o')
+    assert [r.name for r in rows] == ["big"]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_with_ragged_dimensions_is_listed(ip):
+    ip.run_cell("nt = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)])")
+    [row] = ip.run_line_magic("tensors", "-o")
+    assert (row.name, row.shape, row.nbytes) == ("nt", "(2, None, 4)", 80)
 
 
 def test_adams_cpu_step_counter_does_not_make_the_optimizer_span_devices():

@@ -27,8 +27,9 @@ def run(shell: Any, cell: str) -> Any:
 def compiled(shell: Any, cell: str) -> Callable[[], Any]:
     """Compile `cell` once; each call of the result runs it as `run` does (for timing)."""
     source = shell.transform_cell(cell)
-    tree = shell.transform_ast(shell.compile.ast_parse(source))
     filename = shell.compile.cache(source, cell_number(shell), raw_code=cell)
+    # Parsed under the cell's name, a SyntaxError reads `Cell In[n], line k`, not `<unknown>`.
+    tree = shell.transform_ast(shell.compile.ast_parse(source, filename))
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")

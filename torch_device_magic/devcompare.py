@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import cells
 from .devices import Inventory, resolve
-from .errors import DeviceMagicError
+from .errors import DeviceMagicError, first_sentence
 from .moving import cell_names, move
 from .namespace import scan
 from .probes import active_accelerator, clock
@@ -110,12 +110,15 @@ def compare(
     __tracebackhide__ = True
     ns = shell.user_ns
     source = shell.transform_cell(cell)  # `!cmd` and `%magic` lines become Python
-    read = {n: ns[n] for n in cell_names(source) if n in ns}
-    names = [row.name for row in scan(read, shell.user_ns_hidden).rows]  # those holding tensors
+    names = _tensor_names(ns, cell_names(source), shell.user_ns_hidden)
     run = cells.compiled(shell, cell)
     timings, reference = [], None
     for i, dev in enumerate(devices):
-        runs_s, value = _on_device(shell, run, dev, names, runs, warmup)
+        try:
+            runs_s, value = _on_device(shell, run, dev, names, runs, warmup)
+        except BaseException:
+            reference = None  # IPython keeps the traceback, and this frame with it
+            raise
         if i == 0:
             reference = value
         speedup = timings[0].median_s / statistics.median(runs_s) if timings else 1.0
@@ -127,12 +130,18 @@ def compare(
     return Comparison(timings, warmup)
 
 
+def _tensor_names(ns: dict, read: set[str], hidden: Any) -> list[str]:
+    """Those of the names the cell reads that hold tensors, modules or optimizers."""
+    return [row.name for row in scan({n: ns[n] for n in read if n in ns}, hidden).rows]
+
+
 def _on_device(
     shell: Any, run: Any, dev: torch.device, names: list[str], runs: int, warmup: int
 ) -> tuple[list[float], Any]:
     __tracebackhide__ = True
     ns = shell.user_ns
     bindings = dict(ns)
+    value = None
     try:
         ns.update(_copies(ns, names))
         move(ns, names, dev)
@@ -148,12 +157,18 @@ def _on_device(
                 _synchronize(dev)
                 runs_s.append(clock() - start)
         return runs_s, value
+    except DeviceMagicError:  # the inputs could not be copied or moved: the cell did not run
+        raise
     except Exception:
         print(f"%%devcompare: the cell failed on {dev}", file=sys.stderr)
         raise
     finally:
         ns.clear()
         ns.update(bindings)
+        # On an error IPython keeps the traceback, and this frame with it, until the next
+        # one: it must not keep the old bindings (the user's tensors) nor a result.
+        bindings.clear()
+        value = None
 
 
 def _copies(ns: dict, names: list[str]) -> dict[str, object]:
@@ -164,7 +179,8 @@ def _copies(ns: dict, names: list[str]) -> dict[str, object]:
     try:
         return copy.deepcopy({n: ns[n] for n in names}, memo)
     except Exception as err:
-        raise DeviceMagicError(f"%%devcompare could not copy the cell's inputs: {err}") from None
+        reason = first_sentence(err)
+        raise DeviceMagicError(f"%%devcompare could not copy the cell's inputs: {reason}") from None
 
 
 def _synchronize(dev: torch.device) -> None:

@@ -23,7 +23,7 @@ from .probes import (
     guarded,
     runtime_up,
 )
-from .units import fmt_bytes
+from .units import fmt_bytes, plural
 
 
 @dataclass
@@ -40,7 +40,7 @@ class FreeReport:
         return sum(_less(self.before[d], self.after[d]) or 0 for d in self.before)
 
     def __str__(self) -> str:
-        done = f"garbage collected ({self.collected:,} objects)"
+        done = f"garbage collected ({plural(self.collected, 'object')})"
         if not self.before:
             return f"{done}; no accelerator in use, so no allocator cache to empty"
         parts = [done]

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from . import cells
-from .devices import parse
 from .measure import Measurement, Meter
+from .namespace import shape_of
 from .probes import active_accelerator, nvml_used_bytes
 from .reports import Table
 from .units import fmt_bytes, fmt_seconds
@@ -38,7 +38,7 @@ class TensorInfo:
     """One tensor the cell left in the namespace: its name and what it occupies."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]  # None: a nested tensor's ragged dimension
     dtype: str
     device: str
     bytes: int
@@ -58,6 +58,8 @@ class GpumemReport(Measurement):
             f"{fmt_bytes(self.host_delta_bytes, signed=True)}, "
             f"peak {fmt_bytes(self.host_peak_bytes)} above the start"
         )
+        if self.host_delta_bytes is None and self.host_peak_bytes is None:
+            host = "n/a"  # not "n/a, peak n/a above the start"
         if self.device is None:
             title = "%%gpumem: no accelerator in use, so host memory only"
             rows = [["wall time", fmt_seconds(self.wall_s)], ["host RSS", host]]
@@ -108,7 +110,7 @@ def new_tensors(
 ) -> list[TensorInfo]:
     """The largest tensors bound to names that are new or rebound since `before`."""
     found = [
-        TensorInfo(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), str(v.device),
+        TensorInfo(k, shape_of(v), str(v.dtype).removeprefix("torch."), str(v.device),
                    v.element_size() * v.numel())
         for k, v in namespace.items()
         if isinstance(v, torch.Tensor) and before.get(k) != id(v) and not k.startswith("_")
@@ -116,13 +118,15 @@ def new_tensors(
     return sorted(found, key=lambda t: t.bytes, reverse=True)[:limit]
 
 
-def measure(shell: Any, cell: str, device: str | None = None) -> tuple[GpumemReport, Any]:
-    """Run `cell` as the shell would, measured; the report and the cell's value."""
+def measure(
+    shell: Any, cell: str, device: torch.device | None = None
+) -> tuple[GpumemReport, Any]:
+    """Run `cell` as the shell would, measured on `device` (default: the session's
+    accelerator); the report and the cell's value."""
     __tracebackhide__ = True
-    target = None if device is None else parse(device)
     before = tensor_ids(shell.user_ns)
     meter = Meter(sync=True)
-    meter.start(target)
+    meter.start(device)
     try:
         value = cells.run(shell, cell)
         measured = meter.stop()

@@ -12,6 +12,7 @@ a fixed amount of memory. A record holds numbers and strings, never a user objec
 from __future__ import annotations
 
 import csv
+import os
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from .errors import DeviceMagicError
 from .measure import Measurement
 from .reports import Table
-from .units import fmt_bytes, fmt_seconds
+from .units import fmt_bytes, fmt_seconds, plural
 
 HEADERS = [
     "cell", "time", "device time", "device", "device Δ", "device peak", "host Δ", "host peak"
@@ -64,15 +65,18 @@ class History:
             ]
             for r in self._records
         ]
-        title = f"per-cell history: {len(rows)} cells (the last {self.maxlen} are kept)"
+        title = f"per-cell history: {plural(len(rows), 'cell')} (the last {self.maxlen} are kept)"
         notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
         return Table(title, HEADERS, rows, notes)
 
     def write_csv(self, path: str) -> int:
-        """Write every kept record to `path` (raw numbers, empty where not measured)."""
+        """Write every kept record to `path` (raw numbers, empty where not measured; `~` is
+        the home directory)."""
+        if not path.strip():
+            raise DeviceMagicError("--csv needs a file name, e.g. --csv cells.csv")
         names = Measurement.field_names()
         try:
-            with open(path, "w", newline="") as f:
+            with open(os.path.expanduser(path), "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(names)
                 for r in self._records:

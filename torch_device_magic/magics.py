@@ -38,20 +38,39 @@ def user_errors(method: Callable) -> Callable:
         try:
             return method(*args, **kwargs)
         except DeviceMagicError as err:
-            raise UsageError(str(err)) from None
+            message = str(err)
+        # Raised out here, the UsageError has no __context__: the DeviceMagicError's
+        # frames (a failed move's plan, with the user's tensors) are not kept with it.
+        raise UsageError(message)
 
     return wrapper
 
 
 def parse(magic: Callable, line: str) -> Any:
     """Parse a magic's line; a mistake names the magic and where to read its options."""
+    # `%name?` finds no help for a magic that is only a cell magic: that one is `%%name`.
     name = magic.__name__
+    if name not in magic.__self__.magics["line"]:
+        name = f"%{name}"
     try:
-        return parse_argstring(magic, line)
+        args = parse_argstring(magic, line)
     except UsageError as err:
         raise UsageError(f"%{name}: {err} (see %{name}? for its options)") from None
     except ValueError as err:  # unbalanced quotes, from the line splitter
         raise UsageError(f"%{name}: cannot read {line!r}: {err}") from None
+    for key, value in vars(args).items():
+        if isinstance(value, str):
+            setattr(args, key, unquote(value))
+        elif isinstance(value, list):
+            setattr(args, key, [unquote(v) if isinstance(v, str) else v for v in value])
+    return args
+
+
+def unquote(text: str) -> str:
+    """`"my file.csv"` as `my file.csv`: IPython's line splitter keeps the quotes."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 @magics_class
@@ -282,7 +301,8 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         if cell is None:
             raise DeviceMagicError(
-                "%ondevice is a cell magic: put %%ondevice DEV on the first line of the cell"
+                "%ondevice is a cell magic: put %%ondevice DEV on a cell's first line and the "
+                "code to run under it (%device DEV sets the device for the cells that follow)"
             )
         args = parse(self.ondevice, line)
         dev = self._cell_device(args.spec)
@@ -485,8 +505,8 @@ class TorchDeviceMagics(Magics):
               "device_s, device_delta_bytes, device_peak_bytes, device_reserved_delta_bytes, "
               "host_delta_bytes, host_peak_bytes; None where not measured)")
     @argument("-q", dest="quiet", action="store_true", help="do not display the report")
-    @argument("--device", help="the accelerator to measure (default: the session device if "
-              "it is one, else the current device of the runtime in use)")
+    @argument("--device", help="the accelerator to measure, one this machine has (default: "
+              "the session device if it is one, else the current device of the runtime in use)")
     @cell_magic
     @user_errors
     def gpumem(self, line: str, cell: str) -> Any:
@@ -508,7 +528,8 @@ class TorchDeviceMagics(Magics):
         """
         __tracebackhide__ = True
         args = parse(self.gpumem, line)
-        report, value = gpumem.measure(self.shell, cell, args.device)
+        device = None if args.device is None else self._resolve(args.device)[0]
+        report, value = gpumem.measure(self.shell, cell, device)
         self.reporter.adopt(report)
         if args.output:
             return report
@@ -518,7 +539,8 @@ class TorchDeviceMagics(Magics):
 
     @magic_arguments()
     @argument("-o", dest="output", action="store_true", help="return the records")
-    @argument("--csv", metavar="PATH", help="write the records to a CSV file")
+    @argument("--csv", metavar="PATH", help="write the records to a CSV file (~ is your home; "
+              'a path with spaces goes in quotes: --csv "my cells.csv")')
     @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib)")
     @line_magic
     @user_errors
@@ -533,13 +555,13 @@ class TorchDeviceMagics(Magics):
         """
         args = parse(self.devhistory, line)
         history = self.reporter.history
-        if args.csv:
+        if args.csv is not None:
             print(f"wrote {history.write_csv(args.csv)} records to {args.csv}")
         if args.plot:
             display(history.plot())
         if args.output:
             return history.records()
-        if not (args.csv or args.plot):
+        if not (args.csv is not None or args.plot):
             display(history.table())
         return None
 

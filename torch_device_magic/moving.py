@@ -43,7 +43,7 @@ from weakref import getweakrefcount
 import torch
 from torch import Tensor
 
-from .errors import DeviceMagicError
+from .errors import DeviceMagicError, first_sentence
 from .reports import Table
 from .units import fmt_bytes, fmt_seconds
 
@@ -140,13 +140,17 @@ def move(
 
 
 def restore(ns: dict, moved: MoveResult) -> MoveResult:
-    """Send back what `move(..., restorable=True)` moved, carrying what was done to it since."""
-    undo = moved._undo
+    """Send back what `move(..., restorable=True)` moved, carrying what was done to it since.
+
+    Once only: `moved` then lets go of what it kept for this (from meta, the originals),
+    which a traceback holding it would otherwise keep alive.
+    """
+    undo, moved._undo = moved._undo, None
     if undo is None:
-        raise ValueError("restore() needs the result of move(..., restorable=True)")
+        raise ValueError("restore() needs the result of move(..., restorable=True), once")
     start = time.perf_counter()
     if undo.originals is not None:
-        return _put_back_originals(ns, moved, start)
+        return _put_back_originals(ns, moved, undo, start)
     plan = _Plan(None, undo)
     plan.walk(ns, [n for n in undo.names if n in ns])
     return _execute(plan, ns, None, None)
@@ -410,7 +414,7 @@ def _failure(plan: _Plan, group: list[Tensor], target, exc: Exception) -> str:
         free = _free_bytes(target)
         reason = "out of memory" + (f" with {fmt_bytes(free)} free" if free is not None else "")
     else:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        reason = first_sentence(exc)
     return f"Could not move {what} ({size}) to {target}: {reason}; nothing was moved."
 
 
@@ -559,9 +563,8 @@ def _reattach_grads(grads: list[tuple[Tensor, Tensor]], replaced: dict[int, Tens
         replaced.get(id(t), t).grad = replaced.get(id(g), g)
 
 
-def _put_back_originals(ns: dict, moved: MoveResult, start: float) -> MoveResult:
+def _put_back_originals(ns: dict, moved: MoveResult, undo: _Undo, start: float) -> MoveResult:
     """Restore from a data-less device: the original tensors come back as they were."""
-    undo = moved._undo
     olds, originals = [t for t, _ in undo.originals], [o for _, o in undo.originals]
     undo.originals = None  # so that `_swap_all` can drop what the swaps hand back
     refused = _swap_all(olds, originals)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .reports import Table
-from .units import fmt_bytes
+from .units import fmt_bytes, plural
 
 WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
 
@@ -90,10 +90,11 @@ class TensorsReport:
     totals: dict[str, int]
     shared: list[str]
     warnings: list[str]
+    kept: str = ""  # what the filters kept: " on cuda, holding at least 1.0 MiB"
 
     def table(self) -> Table:
         if not self.rows:
-            return Table("no tensors, modules or optimizers in the namespace", [], [])
+            return Table(f"no tensors, modules or optimizers in the namespace{self.kept}", [], [])
         rows = [
             [r.name, r.kind, r.device, r.dtype, r.shape, fmt_bytes(r.nbytes), _grad_text(r)]
             for r in self.rows
@@ -103,7 +104,7 @@ class TensorsReport:
         notes += self.shared + [f"warning: {w}" for w in self.warnings]
         headers = ["name", "kind", "device", "dtype", "shape", "bytes", "grad"]
         names = f"{len(self.rows)} name{'s' if len(self.rows) > 1 else ''}"
-        return Table(f"tensors in the namespace ({names})", headers, rows, notes)
+        return Table(f"tensors in the namespace{self.kept} ({names})", headers, rows, notes)
 
     def __str__(self) -> str:
         return self.table().text()
@@ -149,7 +150,15 @@ def scan(
         totals={dev: sum(s.values()) for dev, s in sorted(totals.items())},
         shared=shared,
         warnings=[w for _, f in found for w in f.warnings],
+        kept=_kept(device, min_bytes),
     )
+
+
+def _kept(device: torch.device | None, min_bytes: int) -> str:
+    parts = [] if device is None else [f"on {device}"]
+    if min_bytes:
+        parts.append(f"holding at least {fmt_bytes(min_bytes)}")
+    return f" {', '.join(parts)}" if parts else ""
 
 
 def _on(found: _Found, device: torch.device | None) -> bool:
@@ -277,14 +286,28 @@ def _kind(obj: object) -> str:
     return type(obj).__name__
 
 
+def shape_of(t: Tensor) -> tuple[int | None, ...]:
+    """`t`'s sizes; a ragged dimension of a nested tensor, which has none, reads None."""
+    try:
+        return tuple(t.shape)
+    except RuntimeError:  # a strided nested tensor refuses `.shape` ("irregular" dimensions)
+        sizes: list[int | None] = []
+        for dim in range(t.dim()):
+            try:
+                sizes.append(t.size(dim))
+            except RuntimeError:
+                sizes.append(None)
+        return tuple(sizes)
+
+
 def _shape(obj: object, f: _Found) -> str:
     if isinstance(obj, Tensor):
-        return str(tuple(obj.shape))
+        return str(shape_of(obj))
     if isinstance(obj, torch.nn.Module):
         return f"{_count(sum(p.numel() for p in _materialised(obj.parameters())))} params"
     if isinstance(obj, torch.optim.Optimizer):
-        return f"{sum(len(g['params']) for g in obj.param_groups)} param tensors"
-    return f"{f.count} tensors"
+        return plural(sum(len(g["params"]) for g in obj.param_groups), "param tensor")
+    return plural(f.count, "tensor")
 
 
 def _count(n: int) -> str:

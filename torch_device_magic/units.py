@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import DeviceMagicError
@@ -22,6 +23,11 @@ def fmt_bytes(n: float | None, signed: bool = False) -> str:
     if unit == 0:
         return f"{sign}{int(value)} B"
     return f"{sign}{value:.1f} {_BYTE_UNITS[unit]}"
+
+
+def plural(n: int, word: str) -> str:
+    """`plural(1, 'cell') == '1 cell'`, `plural(1204, 'object') == '1,204 objects'`."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -45,11 +51,14 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNOREC
 def parse_bytes(text: str) -> int:
     """`parse_bytes('1.5MiB') == 1572864`: bytes, KiB/MiB/GiB/TiB, or kB/MB/GB/TB (powers of 10)."""
     match = _SIZE.fullmatch(text)
-    if match is None:
+    value = math.inf
+    if match is not None:
+        number, unit = match.groups()
+        scale = 1
+        if unit:
+            power = "kmgt".index(unit[0].lower()) + 1
+            scale = (1024 if unit.lower().endswith("i") else 1000) ** power
+        value = float(number) * scale
+    if not math.isfinite(value):  # no match, or too large for a float (1e400)
         raise DeviceMagicError(f"{text!r} is not a size: use bytes (1048576) or 1MiB, 1.5GB")
-    number, unit = match.groups()
-    scale = 1
-    if unit:
-        power = "kmgt".index(unit[0].lower()) + 1
-        scale = (1024 if unit.lower().endswith("i") else 1000) ** power
-    return int(float(number) * scale)
+    return int(value)

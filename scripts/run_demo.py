@@ -6,13 +6,16 @@ The tests and scripts/gpu-check import `execute` and `run_demo` from here.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out"
@@ -25,11 +28,23 @@ def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookN
 
     Raises CellExecutionError at the first failing cell; `nb` keeps what ran.
     """
-    client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
-    )
-    client.execute()
+    with tempfile.TemporaryDirectory() as sockets:
+        client = NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", config=_local_sockets(sockets),
+            resources={"metadata": {"path": str(ROOT)}},
+        )
+        client.execute()
     return nb
+
+
+def _local_sockets(folder: str) -> Config:
+    """On POSIX, talk to the kernel over local sockets in `folder`, which ipykernel 7
+    does not warn about (over TCP it prints that the kernel's traffic is unencrypted)."""
+    config = Config()
+    if os.name == "posix":
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = os.path.join(folder, "kernel")
+    return config
 
 
 def run_demo(

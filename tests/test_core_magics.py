@@ -180,23 +180,17 @@ def test_last_expression_is_out_and_semicolon_silences_it(ip):
     assert ip.execution_count - 1 not in ip.user_ns["Out"]
 
 
-def test_traceback_points_at_the_cells_own_line(shell, capsys):
+@pytest.mark.parametrize(("body", "error", "line", "shown"), [
+    ("x = 1\ny = 2\n1 / 0\n", "ZeroDivisionError", 3, "1 / 0"),
+    ("x = 1\nx +\n", "SyntaxError", 2, "x +"),
+])
+def test_tracebacks_point_at_the_cells_own_line(shell, capsys, body, error, line, shown):
     shell.run_line_magic("load_ext", "torch_device_magic")
     n = shell.execution_count
-    super(type(shell), shell).run_cell("%%nograd\nx = 1\ny = 2\n1 / 0\n", store_history=True)
+    super(type(shell), shell).run_cell(f"%%nograd\n{body}", store_history=True)
     out = capsys.readouterr().out
-    assert "ZeroDivisionError" in out
-    assert f"In[{n}], line 3" in out or f"<ipython-input-{n}-" in out
-    assert "1 / 0" in out
-
-
-def test_a_syntax_error_points_at_the_cells_own_line(shell, capsys):
-    shell.run_line_magic("load_ext", "torch_device_magic")
-    n = shell.execution_count
-    super(type(shell), shell).run_cell("%%nograd\nx = 1\nx +\n", store_history=True)
-    out = capsys.readouterr().out
-    assert "SyntaxError" in out
-    assert f"In[{n}], line 2" in out or f"<ipython-input-{n}-" in out
+    assert error in out and shown in out
+    assert f"In[{n}], line {line}" in out or f"<ipython-input-{n}-" in out
     assert "<unknown>" not in out
 
 

@@ -199,7 +199,8 @@ class TorchDeviceMagics(Magics):
 
         The choice is bound as `device` in the namespace and becomes torch's
         default device for factory functions (`torch.zeros(3)` lands there),
-        unless `%config TorchDeviceMagics.set_torch_default = False`.
+        unless `%config TorchDeviceMagics.set_torch_default = False`; the CPU,
+        torch's own default, installs none (a default costs on every torch call).
         `%device` alone lists every device (read through NVML, without creating
         a CUDA context) and marks the session device with `*`. `--move` also
         moves every tensor, model and optimizer in the namespace there, all or

@@ -4,16 +4,21 @@
     python bench/bench_report.py --quick      # fewer cells, for a smoke run
     python bench/bench_report.py --no-kernel  # without nbclient
 
-Every part runs blocks of the same one-line cell, alternating the modes in one
-process (or one kernel) with the order rotating, so that drift and the load of
-other processes hit all modes alike; each round compares a mode with the bare
-block next to it, and the figure is the median over rounds.
+Every part runs the same one-line cell, alternating the modes with the order
+rotating, so that drift and the load of other processes hit all modes alike:
+in-process, blocks of cells in one process, each round comparing a mode with the
+bare block next to it (the figure is the median over rounds); on a kernel, one
+cell at a time.
 
 - In-process (`InteractiveShell.run_cell`, `store_history=True`): microseconds
   added per cell over bare IPython, and ours over ipython-autotime's (target 1.5).
 - Real kernel (nbclient): the per-cell round trip over a bare kernel's (target
-  1.10). "ours, line hidden" runs with a threshold no cell reaches: it measures
-  every cell and sends nothing, which separates the measuring from the message.
+  1.10), the median over cells, with one kernel per mode and every cell sent to
+  each kernel in turn; and the CPU each cell costs the client and the kernel
+  process. "ours, line hidden" runs with a threshold no cell reaches: it measures
+  every cell and sends nothing. "message alone" sends a constant line the way
+  the report does and measures nothing; "printed line" prints one (autotime's
+  kind of message). Together they separate the measuring from the message.
 - Long run: 10,000 cells with the report on: per tenth, the whole cell's cost,
   the part spent in our two callbacks, and what the reporter holds (its bounded
   history). IPython itself keeps every cell's input and printed output, so the
@@ -98,33 +103,80 @@ def in_process(cells: int, rounds: int) -> dict[str, float]:
         return alternate(run_block, cells, rounds, lambda mode, bare: mode - bare)
 
 
-def on_kernel(cells: int, rounds: int) -> dict[str, float]:
-    """Per-cell round trip on one real kernel over the bare kernel's, per mode."""
-    import nbformat
-    from nbclient import NotebookClient
+# On a kernel, two references besides autotime: the report's message alone (a
+# post-cell hook that sends a constant line through the same path, measuring
+# nothing), and one printed line (the kind of message autotime sends).
+LINE = "time 1.0 µs | host +0 B (peak 0 B)"
+KERNEL_MODES = {
+    **{mode: before for mode, (before, _) in MODES.items()},
+    "message alone": [
+        "from torch_device_magic.hooks import publish\n"
+        f"_line = {{'text/plain': {LINE!r}, 'text/html': '<div>' + {LINE!r} + '</div>'}}\n"
+        "get_ipython().events.register('post_run_cell', "
+        "lambda r: publish(get_ipython().display_pub, _line))"
+    ],
+    "printed line": [f"get_ipython().events.register('post_run_cell', lambda r: print({LINE!r}))"],
+}
+WARMUP = 50
 
-    client = NotebookClient(nbformat.v4.new_notebook(), timeout=60, kernel_name="python3")
 
-    def execute(source: str) -> None:
-        cell = nbformat.v4.new_code_cell(source)
-        client.nb.cells = [cell]  # one cell at a time: the notebook stays small
-        client.execute_cell(cell, 0)
+class Kernel:
+    """One kernel, set up for one mode, that times each cell it runs and what it costs."""
 
-    def run_block(mode: str, n: int) -> float:
-        before, after = MODES[mode]
-        for line in before:
-            execute(line)
-        start = time.perf_counter()
-        for _ in range(n):
-            execute(CELL)
-        elapsed = (time.perf_counter() - start) / n
-        for line in after:
-            execute(line)
-        return elapsed
+    def __init__(self, stack: contextlib.ExitStack, setup: list[str]) -> None:
+        import nbformat
+        from nbclient import NotebookClient
 
-    with client.setup_kernel():
-        execute("import torch")
-        return alternate(run_block, cells, rounds, lambda mode, bare: mode / bare)
+        self.new_cell = nbformat.v4.new_code_cell
+        self.client = NotebookClient(nbformat.v4.new_notebook(), timeout=60, kernel_name="python3")
+        stack.enter_context(self.client.setup_kernel())
+        self.pid = int(self.run("import os, torch; print(os.getpid())").outputs[0].text)
+        for line in setup:
+            self.run(line)
+        self.walls: list[float] = []
+        self.client_cpu = 0.0
+        self.kernel_cpu = -self.cpu()
+
+    def run(self, source: str):
+        cell = self.new_cell(source)
+        self.client.nb.cells = [cell]  # one cell at a time: the notebook stays small
+        self.client.execute_cell(cell, 0)
+        return cell
+
+    def timed(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.run(CELL)
+        self.walls.append(time.perf_counter() - wall)
+        self.client_cpu += time.process_time() - cpu
+
+    def cpu(self) -> float:
+        """CPU seconds the kernel process has used, all its threads."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def on_kernel(cells: int) -> dict[str, tuple[float, float, float]]:
+    """Per mode: median round trip over the bare kernel's, and CPU µs per cell of the
+    client and of the kernel. One kernel per mode; each cell goes to every kernel in
+    turn, the order rotating, so that drift and other load hit all modes alike."""
+    with contextlib.ExitStack() as stack:
+        kernels = {mode: Kernel(stack, setup) for mode, setup in KERNEL_MODES.items()}
+        order = list(kernels)
+        for n in range(WARMUP + cells):
+            if n == WARMUP:
+                for k in kernels.values():
+                    k.walls, k.client_cpu, k.kernel_cpu = [], 0.0, -k.cpu()
+            for mode in order[n % len(order) :] + order[: n % len(order)]:
+                kernels[mode].timed()
+        bare = statistics.median(kernels["bare"].walls)
+        return {
+            mode: (
+                statistics.median(k.walls) / bare,
+                k.client_cpu / cells * 1e6,
+                (k.cpu() + k.kernel_cpu) / cells * 1e6,
+            )
+            for mode, k in kernels.items()
+        }
 
 
 def long_run(cells: int) -> list[tuple[int, float, float, int, int]]:
@@ -184,16 +236,25 @@ def main() -> None:
 
     cells, rounds = (100, 8) if args.quick else (100, 60)
     added = in_process(cells, rounds)
-    show(f"in-process: {rounds} rounds of {cells} cells per mode", "µs added per cell",
-         {m: f"{added[m] * 1e6:.1f}" for m in MODES})
+    show(
+        f"in-process: {rounds} rounds of {cells} cells per mode",
+        "µs added per cell",
+        {m: f"{added[m] * 1e6:.1f}" for m in MODES},
+    )
     print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)\n")
 
     if not args.no_kernel:
-        cells, rounds = (50, 4) if args.quick else (100, 30)
-        kernel = on_kernel(cells, rounds)
-        show(f"real kernel (nbclient): {rounds} rounds of {cells} cells per mode",
-             "round trip / bare", {m: f"{kernel[m]:.3f}x" for m in MODES})
-        print(f"ours / bare: {kernel['ours']:.3f}x (target <= 1.10)\n")
+        cells = 100 if args.quick else 1500
+        kernel = on_kernel(cells)
+        _, client0, kernel0 = kernel["bare"]
+        print(
+            f"real kernel (nbclient): {cells} cells per mode, interleaved; bare kernel: "
+            f"{client0:.0f} µs client CPU and {kernel0:.0f} µs kernel CPU per cell"
+        )
+        print(f"{'mode':<18} {'round trip / bare':>18} {'CPU added: client':>18} {'kernel':>9}")
+        for mode, (ratio, client, kern) in list(kernel.items())[1:]:
+            print(f"{mode:<18} {ratio:17.3f}x {client - client0:15.0f} µs {kern - kernel0:6.0f} µs")
+        print(f"ours / bare: {kernel['ours'][0]:.3f}x (target <= 1.10)\n")
 
     total = 1000 if args.quick else 10_000
     rows = long_run(total)
@@ -202,8 +263,11 @@ def main() -> None:
     for done, cell_us, ours_us, kept, held in rows:
         print(f"{done:>6} {cell_us:8.1f} {ours_us:8.1f} {kept:>8} {held / 1024:7.1f} KiB")
     first, second = (statistics.median(r[2] for r in half) for half in (rows[:5], rows[5:]))
-    print(f"µs in our callbacks, median of tenths, second half / first: {second / first:.2f}x; "
-          f"history held at the end / at 50%: {rows[-1][4] / rows[4][4]:.2f}x")
+    print(
+        f"µs in our callbacks, median of tenths, second half / first: {second / first:.2f}x; "
+        f"history held at the end / at 50%: {rows[-1][4] / rows[4][4]:.2f}x"
+    )
+
 
 if __name__ == "__main__":
     main()

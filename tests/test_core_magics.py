@@ -171,6 +171,17 @@ def test_unload_restores_default_device_and_grad_mode(ip):
     assert "nograd" not in ip.magics_manager.magics["cell"]
 
 
+def test_unload_rebinds_device_to_the_default_unless_the_user_rebound_it(ip):
+    ip.run_cell("%device meta")
+    ip.run_line_magic("reload_ext", "torch_device_magic")
+    assert ip.user_ns["device"] == torch.device("cpu")
+    assert torch.empty(1).device == ip.user_ns["device"]
+    ip.run_cell("%device meta")
+    ip.run_cell("device = 'mine'")
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert ip.user_ns["device"] == "mine"
+
+
 def test_last_expression_is_out_and_semicolon_silences_it(ip):
     ip.run_cell("%%nograd\nx = 20\nx + 22", store_history=True)
     assert ip.user_ns["_"] == 42

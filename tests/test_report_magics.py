@@ -62,6 +62,20 @@ def test_blank_cells_and_the_loading_cell_are_not_reported(shell, capsys):
     assert history(shell) == []
 
 
+
+def test_a_cell_that_never_ran_is_not_reported(ip, capsys):
+    capsys.readouterr()
+    before = len(history(ip))
+    with pytest.raises(SyntaxError):
+        run(ip, "x = (")  # nothing ran
+    assert not report_lines(capsys.readouterr().out)
+    assert len(history(ip)) == before
+    with pytest.raises(ZeroDivisionError):
+        run(ip, "1 / 0")  # ran, and raised: reported
+    assert len(report_lines(capsys.readouterr().out)) == 1
+    assert len(history(ip)) == before + 1
+
+
 def test_transient_peak_in_the_automatic_record(ip):
     run(ip, "x = torch.ones(512 * 2**20, dtype=torch.uint8); del x")
     record = history(ip)[-1]

@@ -144,8 +144,8 @@ class CellReporter:
                 self._fault = _describe(err)
         if self._hint is not None and result.error_in_exec is not None:
             self._show_hint(result)
-        if not paired:
-            return
+        if not paired or result.error_before_exec is not None:
+            return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
                 self._record(measured, result.execution_count)

@@ -115,6 +115,7 @@ class TorchDeviceMagics(Magics):
         # State first: traits set in ipython_config.py fire observers during super().__init__.
         self.reporter = CellReporter()
         self.session_device: torch.device | None = None
+        self._bound: torch.device | None = None  # what `device` was bound to, by us
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
         super().__init__(shell=shell)
@@ -163,7 +164,8 @@ class TorchDeviceMagics(Magics):
         """Bind `device` in the namespace and (per `set_torch_default`) torch's default."""
         self.session_device = dev
         self._apply_default()
-        self.shell.user_ns["device"] = dev if dev is not None else torch.device("cpu")
+        self._bound = torch.device("cpu") if dev is None else dev
+        self.shell.user_ns["device"] = self._bound
 
     def close(self) -> None:
         """Undo what loading and the magics changed: hooks, default device, grad mode."""
@@ -172,6 +174,8 @@ class TorchDeviceMagics(Magics):
         if self.session_device is not None:
             self.session_device = None
             self._apply_default()
+            if self.shell.user_ns.get("device") is self._bound:  # not rebound by the user
+                self.shell.user_ns["device"] = self._default_at_load or torch.device("cpu")
         if self._grad_before_nograd is not None:
             torch.set_grad_enabled(self._grad_before_nograd)
             self._grad_before_nograd = None

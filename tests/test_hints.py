@@ -158,6 +158,19 @@ def test_data_loader_under_device_meta_for_real(ip, capsys):
     assert "%config TorchDeviceMagics.set_torch_default = False" in out
 
 
+def test_data_loader_under_ondevice_meta_for_real(ip, capsys):
+    ip.run_cell("from torch.utils.data import DataLoader")
+    capsys.readouterr()
+    cell = "loader = DataLoader(list(range(10)), shuffle=True, batch_size=2)\nnext(iter(loader))"
+    show(ip, f"%%ondevice meta\n{cell}")
+    out = capsys.readouterr().out
+    assert "Tensor.item() cannot be called on meta tensors" in out
+    assert "which %%ondevice set to meta" in out
+    assert "iterate it in a cell that does not run under %%ondevice" in out
+    show(ip, "raise RuntimeError('unrelated')")  # the next failing cell is not taken for it
+    assert PREFIX not in capsys.readouterr().out
+
+
 def test_out_of_memory_in_a_cell_frees_what_its_frames_held(ip, capsys):
     ip.run_cell(
         "import weakref\nrefs = []\n"

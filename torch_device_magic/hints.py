@@ -42,8 +42,12 @@ def hint(
     namespace: dict[str, object],
     source: str,
     session_device: torch.device | None,
+    cell_default: torch.device | None = None,
 ) -> str | None:
     """The hint block for `error` raised by the cell `source`, or None for other errors.
+
+    `cell_default` is the default device a `%%ondevice` cell ran under, which is
+    no longer in force when the hint is made.
 
     For an out-of-memory error it also clears the local variables of the
     traceback's frames and `sys.last_*`, so that their tensors can be freed.
@@ -57,9 +61,9 @@ def hint(
         return _mismatch(message, namespace, source, session_device)
     if "Attempting to deserialize object on" in message:
         return _checkpoint(session_device)
-    default = torch_default_device()
+    default = cell_default or torch_default_device()
     if default is not None and default.type != "cpu" and _raised_in_data_loading(error):
-        return _data_loader(default, session_device)
+        return _data_loader(default, session_device, cell_default is not None)
     return None
 
 
@@ -160,12 +164,13 @@ def _raised_in_data_loading(error: BaseException) -> bool:
     )
 
 
-def _data_loader(default: torch.device, session: torch.device | None) -> str:
-    by_us = session == default
-    who = "%device" if by_us else "torch.set_default_device"
-    off = "%config TorchDeviceMagics.set_torch_default = False" if by_us else (
-        "torch.set_default_device(None)"
-    )
+def _data_loader(default: torch.device, session: torch.device | None, ondevice: bool) -> str:
+    if ondevice:
+        who, off = "%%ondevice", "iterate it in a cell that does not run under %%ondevice"
+    elif session == default:
+        who, off = "%device", "%config TorchDeviceMagics.set_torch_default = False"
+    else:
+        who, off = "torch.set_default_device", "torch.set_default_device(None)"
     lines = [
         f"{PREFIX} the DataLoader draws its shuffling on torch's default device, "
         f"which {who} set to {default}.",

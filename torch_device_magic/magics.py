@@ -116,6 +116,7 @@ class TorchDeviceMagics(Magics):
         self.reporter = CellReporter()
         self.session_device: torch.device | None = None
         self._bound: torch.device | None = None  # what `device` was bound to, by us
+        self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
         super().__init__(shell=shell)
@@ -144,7 +145,9 @@ class TorchDeviceMagics(Magics):
         reporter.set_hint(self.shell, self._hint if self.hints else None)
 
     def _hint(self, error: BaseException, source: str) -> str | None:
-        return hints.hint(error, self.shell.user_ns, source, self.session_device)
+        failed, self._failed_under = self._failed_under, None
+        cell_default = failed[1] if failed is not None and failed[0] == id(error) else None
+        return hints.hint(error, self.shell.user_ns, source, self.session_device, cell_default)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
@@ -321,6 +324,10 @@ class TorchDeviceMagics(Magics):
         try:
             with torch.device(dev):
                 return cells.run(self.shell, cell)
+        except BaseException as err:
+            # The hint comes after the default is restored: tell it what was in force.
+            self._failed_under = (id(err), dev)
+            raise
         finally:
             if args.restore:
                 back = moving.restore(self.shell.user_ns, moved)

@@ -135,6 +135,38 @@ def test_a_tensor_reached_twice_moves_once(target):
         assert result.names == {"box": w.nbytes, "model": model.bias.nbytes}
 
 
+def test_tensors_found_again_are_dropped_and_the_others_keep_their_place_on_meta():
+    # The walk plans a tensor each time it finds one; the plan then keeps the first of each,
+    # so the names' bytes, leafness and notes of the tensors after a dropped one must follow.
+    w = torch.randn(2, requires_grad=True)
+    y = w * 2  # with history
+    x, zeros = torch.zeros(3), [torch.zeros(0), torch.zeros(0)]
+    a, g = torch.zeros(1), torch.zeros(1)
+    a.grad = g
+    base = torch.arange(4.0)
+    ns = {"a": [x, y, x, y, w, *zeros], "b": [w, x, a, g, base, base[1:], base], "c": torch.ones(5)}
+    result = moved_all(ns, META)
+    assert result.names == {"a": 12 + 8 + 8, "b": 4 + 4 + 16, "c": 20}
+    assert result.not_followed == ["a[1]: moved without its autograd history"]
+    assert w.is_leaf and w.requires_grad and not x.requires_grad
+    assert a.grad is g and g.device == META
+    assert storage(base) == storage(ns["b"][5]) and storage(zeros[0]) != storage(zeros[1])
+    assert all(t.device == META for t in [*ns["a"], *ns["b"], ns["c"]])
+
+
+def test_grads_that_form_a_cycle_are_walked_once():
+    a, b = torch.zeros(1), torch.zeros(1)
+    a.grad, b.grad = b, a  # each holds the other, so neither can be swapped
+    result = move({"a": a}, ["a"], META)
+    assert result.names == {"a": 8} and len(result.not_followed) == 2
+
+
+def test_the_storage_key_is_the_storage():
+    base = torch.arange(4.0)
+    tensors = [base, base[1:], base[1:].data, torch.zeros(4, device=META), torch.zeros(0)]
+    assert [moving._storage_id(t) for t in tensors] == [storage(t) for t in tensors]
+
+
 def test_views_keep_sharing_storage_with_their_base(target):
     base = torch.arange(24.0)
     view = base[2:14].view(3, 4)
@@ -425,6 +457,17 @@ def test_the_error_names_the_object_and_its_size():
         moved_all(ns, META)
 
 
+@pytest.mark.parametrize("bar", [False, True])  # with a bar, copies are made one at a time
+def test_the_error_names_the_tensor_whose_copy_failed(monkeypatch, bar):
+    if bar:
+        monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1)
+    ns = {"d": {f"t{i}": torch.zeros(4) for i in range(4)}}
+    failing = pytest.raises(DeviceMagicError, match=r"move d\['t2'\] \(16 B\)")
+    with failing, FailOnAllocation(META, 3):
+        moved_all(ns, META)
+    assert all(t.device == CPU for t in ns["d"].values())
+
+
 TORCH_ESSAY = (
     "Could not run 'aten::_to_copy' with arguments from the 'NestedTensorMeta' backend. "
     "This could be because the operator doesn't exist for this backend, or was omitted. "
@@ -560,7 +603,8 @@ def test_sparse_tensors_move_with_their_layout_and_bytes(layout):
         sparse.crow_indices(), sparse.col_indices(), sparse.values())
     expected, kind = sum(p.nbytes for p in parts), sparse.layout
     ns = {"s": sparse}
-    result = move(ns, ["s"], torch.device("meta"))
+    ns = {"s": sparse, "again": [sparse]}
+    result = move(ns, ["again", "s"], torch.device("meta"))
     assert ns["s"].device.type == "meta"
     assert ns["s"].layout == kind
-    assert result.names["s"] == expected
+    assert result.names == {"again": expected}  # counted once, under the first name

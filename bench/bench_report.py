@@ -76,11 +76,15 @@ def alternate(run_block, cells: int, rounds: int, compare) -> dict[str, float]:
         run_block(mode, 20)
     found: dict[str, list[float]] = {m: [] for m in MODES}
     for n in range(rounds):
-        turn = order[n % len(order) :] + order[: n % len(order)]
-        seconds = {mode: run_block(mode, cells) for mode in turn}
+        seconds = {mode: run_block(mode, cells) for mode in rotated(order, n)}
         for mode in MODES:
             found[mode].append(compare(seconds[mode], seconds["bare"]))
     return {m: statistics.median(v) for m, v in found.items()}
+
+
+def rotated(order: list[str], n: int) -> list[str]:
+    """`order` started at its n-th item (wrapping), so that no mode always goes first."""
+    return order[n % len(order) :] + order[: n % len(order)]
 
 
 def in_process(cells: int, rounds: int) -> dict[str, float]:
@@ -133,9 +137,13 @@ class Kernel:
         self.pid = int(self.run("import os, torch; print(os.getpid())").outputs[0].text)
         for line in setup:
             self.run(line)
+        self.count_from_now()
+
+    def count_from_now(self) -> None:
+        """Forget the cells timed so far (the warm-up)."""
         self.walls: list[float] = []
         self.client_cpu = 0.0
-        self.kernel_cpu = -self.cpu()
+        self.kernel_cpu_at_start = self.cpu()
 
     def run(self, source: str):
         cell = self.new_cell(source)
@@ -165,15 +173,15 @@ def on_kernel(cells: int) -> dict[str, tuple[float, float, float]]:
         for n in range(WARMUP + cells):
             if n == WARMUP:
                 for k in kernels.values():
-                    k.walls, k.client_cpu, k.kernel_cpu = [], 0.0, -k.cpu()
-            for mode in order[n % len(order) :] + order[: n % len(order)]:
+                    k.count_from_now()
+            for mode in rotated(order, n):
                 kernels[mode].timed()
         bare = statistics.median(kernels["bare"].walls)
         return {
             mode: (
                 statistics.median(k.walls) / bare,
                 k.client_cpu / cells * 1e6,
-                (k.cpu() + k.kernel_cpu) / cells * 1e6,
+                (k.cpu() - k.kernel_cpu_at_start) / cells * 1e6,
             )
             for mode, k in kernels.items()
         }

@@ -5,9 +5,9 @@
 
 Three phases, so that a failure changes nothing:
 
-1. *Plan*: walk the named objects (tensors, modules, optimizers, containers of
-   them) once each, memoised by `id`, and group the tensors by storage (which
-   also finds a tensor reached twice: it is planned once).
+1. *Plan*: walk the named objects (containers, modules and optimizers once
+   each, memoised by `id`) and group the tensors by storage, which also finds
+   a tensor reached twice: it is planned once.
 2. *Copy*: one copy per storage (a singleton with `.to`, a shared storage as
    one span of bytes from which every tensor of the group is rebuilt with its
    own offset, sizes and strides, so views keep sharing storage). On failure

@@ -56,7 +56,7 @@ def ensure_env(name: str) -> Path:
     pip = [py, "-m", "pip", "install", "-qq", "--disable-pip-version-check"]
     index = os.environ.get("TORCH_INDEX_URL")
     torch_cmd = [*pip, TORCH_SPEC] + (["--index-url", index] if index else [])
-    if _run(torch_cmd) or _run([*pip, "-e", ".[test,plot,bench]", *pins]):
+    if _run(torch_cmd) or _run([*pip, "-e", ".[test,plot,bench,dev]", *pins]):
         sys.exit(f"could not install the {name} environment in {env}")
     stamp.write_text(key)
     return py

@@ -22,7 +22,11 @@ class RaisingShell(InteractiveShell):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU."""
+    """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU.
+
+    Tests on the test device go last: loading it cannot be undone in a process (from
+    then on torch.accelerator names it), and the other tests expect no accelerator."""
+    items.sort(key=lambda item: "tdmdev" in getattr(item, "fixturenames", ()))  # stable
     needs_cuda = [item for item in items if item.get_closest_marker("cuda")]
     if not needs_cuda or torch.cuda.is_available():
         return
@@ -65,3 +69,20 @@ def demo():
     from kernel import run_demo
 
     return run_demo()
+
+
+@pytest.fixture(scope="session")
+def tdmdev():
+    """The project's PrivateUse1 test device (tests/testdevice), built once into a cache
+    and loaded: "tdmdev:0" and "tdmdev:1" become devices and torch.accelerator's current
+    accelerator. Tests that use it skip, saying why, where it cannot be built."""
+    if not hasattr(getattr(torch, "accelerator", None), "memory_stats"):
+        pytest.skip(f"the tdmdev test device needs torch >= 2.9 (this is {torch.__version__})")
+    import testdevice
+
+    try:
+        testdevice.load()
+    except Exception as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        pytest.skip(f"the tdmdev test device could not be built: {why}")
+    return testdevice

@@ -46,6 +46,9 @@ def test_values_round_trip_through_a_real_copy(tdmdev):
     assert torch.equal(y.to(D1).cpu(), y.cpu())  # device to device
     assert on(y.to(D1)) == {D1}
     assert torch.equal((y * 2 + 1).cpu(), torch.arange(6.0).reshape(2, 3) * 2 + 1)  # fallback
+    z = torch.tensor([1 + 2j]).to(D0)
+    assert torch.equal(z.conj().cpu(), torch.tensor([1 - 2j]))  # lazy bits survive the copy
+    assert torch.equal(z._neg_view().cpu(), torch.tensor([-1 - 2j]))
 
 
 def test_it_is_torch_accelerators_current_accelerator(tdmdev):

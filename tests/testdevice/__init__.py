@@ -95,6 +95,12 @@ def set_device(device: int | str | torch.device) -> None:
     torch.accelerator.set_device_index(device)
 
 
+def device(device: int | str | torch.device | None) -> contextlib.AbstractContextManager:
+    """`with torch.tdmdev.device(d):` d is the current device inside (storage moves use it)."""
+    index = device if isinstance(device, int) or device is None else torch.device(device).index
+    return torch.accelerator.device_index(index)
+
+
 def synchronize(device: int | str | torch.device | None = None) -> None:
     torch.accelerator.synchronize(device)
 

@@ -369,17 +369,20 @@ at::Tensor empty_strided(
       c10::dtype_or_default(dtype));
 }
 
-// A CPU tensor over the same bytes: device memory is host memory.
+// A CPU tensor over the same bytes (device memory is host memory), with the
+// same lazy conjugate and negative bits, which the CPU's copy then resolves.
 at::Tensor on_host(const at::Tensor& t) {
   if (t.is_cpu()) return t;
-  return at::from_blob(
-      t.data_ptr(), t.sizes(), t.strides(), t.options().device(c10::kCPU));
+  at::Tensor host =
+      at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().device(c10::kCPU));
+  if (t.is_conj()) host = host._conj();
+  if (t.is_neg()) host = host._neg_view();
+  return host;
 }
 
 // Every direction (host to device, device to host, device to device) is a CPU
 // copy between views of the same bytes, so strides and dtype casts come for free.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
-  TORCH_CHECK(!self.is_conj() && !self.is_neg(), "tdmdev: resolve conj/neg before copying");
   on_host(dst).copy_(on_host(self));
   return dst;
 }
@@ -458,6 +461,16 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", &at::native::as_strided_tensorimpl);
   m.impl("view", &at::native::view);
   m.impl("_reshape_alias", &at::native::_reshape_alias);
+}
+
+// A lazily conjugated (or negated) source reaches _copy_from with its bit set, which
+// on_host() carries over. Without these, torch's conjugate fallback would first
+// materialise it with clone(), which copies through _copy_from again, for ever.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

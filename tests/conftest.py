@@ -83,6 +83,7 @@ def tdmdev():
     try:
         testdevice.load()
     except Exception as exc:
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        why = next((line for line in lines if " error: " in line), lines[0])[:200]  # gcc's
         pytest.skip(f"the tdmdev test device could not be built: {why}")
     return testdevice

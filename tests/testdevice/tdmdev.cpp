@@ -33,6 +33,8 @@
 #include <cstring>
 #include <mutex>
 
+#include <unistd.h> // sysconf: the host's memory, the total without a limit
+
 namespace tdmdev {
 
 constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
@@ -54,15 +56,10 @@ struct Block {
   c10::DeviceIndex device;
 };
 
+constexpr size_t kAll = static_cast<size_t>(StatType::AGGREGATE);
+
 class Allocator final : public c10::DeviceAllocator {
  public:
-  Allocator() {
-    // TDMDEV_MEMORY_LIMIT (bytes per device) lets a subprocess start with a limit.
-    if (const char* env = std::getenv("TDMDEV_MEMORY_LIMIT")) {
-      limit_ = std::strtoll(env, nullptr, 10);
-    }
-  }
-
   c10::DataPtr allocate(size_t n) override {
     const c10::DeviceIndex device = current_device;
     const c10::Device where(kType, device);
@@ -74,18 +71,21 @@ class Allocator final : public c10::DeviceAllocator {
       std::lock_guard<std::mutex> lock(mutex_);
       Stats& s = stats_[device];
       const int64_t limit = limit_.load();
-      if (limit > 0 && s.reserved_bytes[0].current + static_cast<int64_t>(reserved) > limit) {
+      if (limit > 0 && s.reserved_bytes[kAll].current + static_cast<int64_t>(reserved) > limit) {
         s.num_ooms += 1;
         TORCH_CHECK_WITH(
             OutOfMemoryError, false,
             "tdmdev out of memory: tried to allocate ", n, " bytes on tdmdev:", int(device),
-            " with ", s.reserved_bytes[0].current, " of its ", limit, " bytes in use");
+            " with ", s.reserved_bytes[kAll].current, " of its ", limit, " bytes in use");
       }
-      update(s, n, reserved, +1);
+      update(s, n, reserved, +1); // counted before the malloc, so that two threads keep the limit
     }
-    void* ptr = std::aligned_alloc(64, reserved);
-    TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "tdmdev out of memory: the host refused");
-    return {ptr, new Block{ptr, n, reserved, device}, &release, where};
+    auto* block = new Block{std::aligned_alloc(64, reserved), n, reserved, device};
+    if (block->ptr == nullptr) {
+      release(block);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "tdmdev out of memory: the host refused");
+    }
+    return {block->ptr, block, &release, where};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -109,28 +109,20 @@ class Allocator final : public c10::DeviceAllocator {
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    Stats& s = stats_.at(device);
-    for (auto* stat : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
-                       &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
-      for (auto& one : *stat) one.reset_accumulated();
-    }
-    s.num_ooms = 0;
+    for_each_stat(stats_.at(device), [](auto& stat) { stat.reset_accumulated(); });
+    stats_.at(device).num_ooms = 0;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    Stats& s = stats_.at(device);
-    for (auto* stat : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
-                       &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
-      for (auto& one : *stat) one.reset_peak();
-    }
+    for_each_stat(stats_.at(device), [](auto& stat) { stat.reset_peak(); });
   }
 
   // (free, total): the limit where one is set, else the host's memory.
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     const int64_t limit = limit_.load();
     size_t total = limit > 0 ? static_cast<size_t>(limit) : host_bytes();
-    const size_t used = getDeviceStats(device).reserved_bytes[0].current;
+    const size_t used = getDeviceStats(device).reserved_bytes[kAll].current;
     return {total > used ? total - used : 0, total};
   }
 
@@ -147,7 +139,7 @@ class Allocator final : public c10::DeviceAllocator {
   // own segment (nothing is cached), and counts in the large pool, like CUDA's
   // allocations over 1 MiB, so that the aggregate and one pool agree.
   static void update(Stats& s, size_t requested, size_t reserved, int sign) {
-    for (size_t type : {size_t(StatType::AGGREGATE), size_t(StatType::LARGE_POOL)}) {
+    for (size_t type : {kAll, static_cast<size_t>(StatType::LARGE_POOL)}) {
       auto step = [sign](c10::CachingAllocator::Stat& stat, size_t amount) {
         sign > 0 ? stat.increase(amount) : stat.decrease(amount);
       };
@@ -160,6 +152,15 @@ class Allocator final : public c10::DeviceAllocator {
       step(s.active_bytes[type], reserved);
     }
     (sign > 0 ? s.num_device_alloc : s.num_device_free) += 1;
+  }
+
+  // The counters this allocator keeps, in every pool.
+  template <typename F>
+  static void for_each_stat(Stats& s, F f) {
+    for (auto* array : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
+                        &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
+      for (auto& stat : *array) f(stat);
+    }
   }
 
   static void release(void* ctx) {

@@ -139,12 +139,10 @@ def test_a_module_and_its_optimizer_move_and_still_train(tdmdev):
     move(ns, list(ns), torch.device(D0))
     assert on(*model.parameters(), *(s["momentum_buffer"] for s in opt.state.values())) == {D0}
     assert on(model.weight.grad) == {D0}
-    assert on(model(torch.randn(5, 3, device=D0))) == {D0}
-    # The gradient is set, not back-propagated: autograd sizes its device queues at
-    # the process's first backward, which in a whole run is before tdmdev loads.
     before = model.weight.detach().cpu()
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+    opt.zero_grad()
+    model(torch.randn(5, 3, device=D0)).sum().backward()  # autograd on the device
+    assert on(model.weight.grad) == {D0}
     opt.step()
     assert on(model.weight, *(s["momentum_buffer"] for s in opt.state.values())) == {D0}
     assert not torch.equal(model.weight.detach().cpu(), before)

@@ -1,7 +1,7 @@
 """tdmdev: the project's own PrivateUse1 test device, whose memory is host memory.
 
     import testdevice
-    testdevice.load()          # builds once (cached), registers "tdmdev"; idempotent
+    testdevice.load()          # builds once (cached), names the device "tdmdev"; idempotent
     x = torch.ones(3).to("tdmdev")
     torch.accelerator.current_accelerator()  # device(type='tdmdev')
     with testdevice.memory_limit(1 << 20): ...  # past 1 MiB a device raises OutOfMemoryError
@@ -25,7 +25,7 @@ import torch
 
 NAME = "tdmdev"
 _SOURCE = Path(__file__).with_name("tdmdev.cpp")
-_loaded = False
+_library = _loaded = False
 
 
 def build_dir() -> Path:
@@ -36,20 +36,23 @@ def build_dir() -> Path:
     return Path(__file__).with_name("_build") / tag
 
 
-def load() -> None:
-    """Build (or reuse) the library, load it and make "tdmdev" a device name; idempotent.
+def load_library() -> None:
+    """Build (or reuse) the library and load it, without naming the device; idempotent.
 
+    Until `load()` names it, torch.accelerator does not see it, but autograd does:
+    it sizes its per-device queues at the process's first backward, so a backward
+    on tdmdev works only if the library was loaded before that one.
     Raises whatever the build raised (no compiler, no ninja, a compile error).
     """
-    global _loaded
-    if _loaded:
+    global _library
+    if _library:
         return
     from torch.utils.cpp_extension import load as build
 
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
     # is_python_module=False: the library registers itself with torch (kernels,
-    # hooks, allocator, device guard) and its two ops; it has no Python module.
+    # hooks, allocator, device guard) and its ops; it has no Python module.
     build(
         NAME,
         [str(_SOURCE)],
@@ -58,6 +61,15 @@ def load() -> None:
         extra_cflags=["-O1"],
         verbose=False,
     )
+    _library = True
+
+
+def load() -> None:
+    """`load_library()`, then make "tdmdev" a device name and torch.accelerator's; idempotent."""
+    global _loaded
+    if _loaded:
+        return
+    load_library()
     torch.utils.rename_privateuse1_backend(NAME)
     torch._register_device_module(NAME, sys.modules[__name__])
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)

@@ -46,6 +46,9 @@ def test_values_round_trip_through_a_real_copy(tdmdev):
     assert torch.equal(y.to(D1).cpu(), y.cpu())  # device to device
     assert on(y.to(D1)) == {D1}
     assert torch.equal((y * 2 + 1).cpu(), torch.arange(6.0).reshape(2, 3) * 2 + 1)  # fallback
+    out = torch.empty(0, device=D0)
+    torch.add(y, 1, out=out)  # the fallback resizes `out` and copies the result into it
+    assert on(out) == {D0} and torch.equal(out.cpu(), torch.arange(1.0, 7.0).reshape(2, 3))
     z = torch.tensor([1 + 2j]).to(D0)
     assert torch.equal(z.conj().cpu(), torch.tensor([1 - 2j]))  # lazy bits survive the copy
     assert torch.equal(z._neg_view().cpu(), torch.tensor([-1 - 2j]))
@@ -127,6 +130,7 @@ def test_views_keep_sharing_storage_on_the_device(tdmdev):
     base.add_(1)  # through the CPU fallback, back into the device storage
     assert torch.equal(view.cpu(), torch.arange(5.0, 9.0))
     assert torch.equal(t.cpu(), torch.arange(1.0, 17.0).view(4, 4).t())
+    assert base.view(4, 4)[1].data_ptr() == view.data_ptr()  # views made on the device
 
 
 def test_a_module_and_its_optimizer_move_and_still_train(tdmdev):

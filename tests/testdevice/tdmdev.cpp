@@ -417,11 +417,6 @@ at::Tensor& set_storage(
   return self;
 }
 
-at::Tensor& set_whole_storage(at::Tensor& self, c10::Storage source) {
-  const int64_t n = source.nbytes() / self.dtype().itemsize();
-  return set_storage(self, std::move(source), 0, {n}, {});
-}
-
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
@@ -456,7 +451,6 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", &tdmdev::copy_from_and_resize);
   m.impl("resize_", &tdmdev::resize_);
   m.impl("set_.source_Storage_storage_offset", &tdmdev::set_storage);
-  m.impl("set_.source_Storage", &tdmdev::set_whole_storage);
   // Views must alias, which the CPU fallback cannot do: torch's own kernels only
   // touch sizes and strides, so they serve any device.
   m.impl("as_strided", &at::native::as_strided_tensorimpl);

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import IPython
 import pytest
 import torch
@@ -22,7 +24,15 @@ class RaisingShell(InteractiveShell):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU."""
+    """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU.
+
+    Tests on the test device go last: naming it cannot be undone in a process (from
+    then on torch.accelerator names it), and the other tests expect no accelerator.
+    Its library is loaded now, before any test runs a backward (see `tdmdev`)."""
+    on_tdmdev = [item for item in items if "tdmdev" in getattr(item, "fixturenames", ())]
+    if on_tdmdev:
+        items.sort(key=lambda item: "tdmdev" in getattr(item, "fixturenames", ()))  # stable
+        _tdmdev_library()
     needs_cuda = [item for item in items if item.get_closest_marker("cuda")]
     if not needs_cuda or torch.cuda.is_available():
         return
@@ -65,3 +75,34 @@ def demo():
     from kernel import run_demo
 
     return run_demo()
+
+
+@functools.cache
+def _tdmdev_library() -> str | None:
+    """Build (or reuse) and load the test device's library: None, or why it cannot be."""
+    if not hasattr(getattr(torch, "accelerator", None), "memory_stats"):
+        return f"the tdmdev test device needs torch >= 2.9 (this is {torch.__version__})"
+    import testdevice
+
+    try:
+        testdevice.load_library()
+    except Exception as exc:
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        why = next((line for line in lines if " error: " in line), lines[0])[:200]  # gcc's
+        return f"the tdmdev test device could not be built: {why}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def tdmdev():
+    """The project's PrivateUse1 test device (tests/testdevice), built once into a cache:
+    "tdmdev:0" and "tdmdev:1" become devices and torch.accelerator's current accelerator.
+    Tests that use it skip, saying why, where it cannot be built. Its library is loaded
+    at collection, since autograd sizes its device queues at the first backward."""
+    why = _tdmdev_library()
+    if why:
+        pytest.skip(why)
+    import testdevice
+
+    testdevice.load()
+    return testdevice

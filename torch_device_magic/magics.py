@@ -9,6 +9,7 @@ returns what it got. A `DeviceMagicError` from below becomes IPython's own
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -90,12 +91,14 @@ class TorchDeviceMagics(Magics):
     auto_report = Bool(
         True,
         help="Show one line after every cell: wall time, device time, device and host "
-        "memory change and peak (%devreport on|off).",
+        "memory change and peak. %devreport on|off is the same switch: the latest choice "
+        "wins, and lasts through %reload_ext. It resets torch's peak memory counter "
+        "before each cell (the session's peak is in %devhistory).",
     ).tag(config=True)
     report_min_seconds = Float(
         0.0,
-        help="Show the per-cell line only for cells that take at least this long "
-        "(0 = unset; with both thresholds unset every cell is shown).",
+        help="Show the per-cell line only for cells that take at least this many seconds "
+        "(a finite number; 0 = unset; with both thresholds unset every cell is shown).",
     ).tag(config=True)
     report_min_bytes = Int(
         0,
@@ -128,6 +131,11 @@ class TorchDeviceMagics(Magics):
 
     @validate("report_min_seconds", "report_min_bytes")
     def _not_negative(self, proposal: Any) -> Any:
+        if not math.isfinite(proposal.value):
+            raise TraitError(
+                f"{proposal.trait.name} must be a finite number, 0 (unset) or more, "
+                f"not {proposal.value}"
+            )
         if proposal.value < 0:
             raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
         return proposal.value
@@ -338,18 +346,26 @@ class TorchDeviceMagics(Magics):
         moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
         if args.verbose:
             display(moved.table())
+        failed = False
         try:
             with torch.device(dev):
                 return cells.run(self.shell, cell)
         except BaseException as err:
             # The hint comes after the default is restored: tell it what was in force.
-            self._failed_under = (id(err), dev)
+            self._failed_under, failed = (id(err), dev), True
             raise
         finally:
             if args.restore:
-                back = moving.restore(self.shell.user_ns, moved)
-                if args.verbose:
-                    display(back.table())
+                try:
+                    back = moving.restore(self.shell.user_ns, moved)
+                except Exception as restore_error:
+                    if not failed:
+                        raise
+                    # The cell's own error (a sticky CUDA error, say) is the one raised.
+                    print(f"%%ondevice --restore could not send back what moved: {restore_error}")
+                else:
+                    if args.verbose:
+                        display(back.table())
 
     @magic_arguments()
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")
@@ -519,13 +535,23 @@ class TorchDeviceMagics(Magics):
         cells reaching one of them are shown; every measured cell is kept in the
         history, shown or not. The device is synchronised before the clock stops
         only where its runtime is already up (`sync`); no CUDA context is ever
-        created. Same as `%config TorchDeviceMagics.auto_report = True/False`.
+        created.
+
+        It is the same switch as `%config TorchDeviceMagics.auto_report =
+        True/False`: whichever was used last wins, and it lasts through
+        `%reload_ext`. Where an accelerator is in use, the report resets
+        torch's process-wide peak counter before each cell, so
+        `torch.cuda.max_memory_allocated()` then covers one cell only; the
+        session's peak is in `%devhistory`.
         """
         args = parse(self.devreport, line)
         if args.mode not in ("on", "off", "status"):
             raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r}")
         if args.mode != "status":
             self.auto_report = args.mode == "on"
+            # %config keeps its value in the shell's config, which %reload_ext reads
+            # again: the switch goes there too, so that the latest choice wins.
+            self.shell.config[type(self).__name__]["auto_report"] = self.auto_report
         print(self.reporter.status())
 
     @magic_arguments()

@@ -528,3 +528,12 @@ def test_devreport_status_says_that_the_peak_counter_is_reset(ip, capsys):
     assert "the session's peak is in %devhistory" in out
     run(ip, "%devreport off")
     assert "peak memory counter" not in capsys.readouterr().out  # off, it resets nothing
+
+
+def test_a_cell_that_ipython_failed_to_finish_does_not_stop_the_report(ip, capsys):
+    reporter = magics(ip).reporter
+    reporter.pre_run_cell(object())
+    reporter.post_run_cell(None)  # what IPython's run_cell sends when its own code raised
+    capsys.readouterr()
+    run(ip, "n = 1")
+    assert len(report_lines(capsys.readouterr().out)) == 1

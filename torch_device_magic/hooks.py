@@ -160,7 +160,10 @@ class CellReporter:
     def post_run_cell(self, result: Any) -> None:
         # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
         info = getattr(result, "info", None)
-        at = next((n for n, opened in enumerate(self._open) if opened is info), None)
+        if info is None:  # IPython failed before it made a result: the innermost cell ended
+            at = len(self._open) - 1 if self._open else None
+        else:
+            at = next((n for n, opened in enumerate(self._open) if opened is info), None)
         if at is not None:
             del self._open[at:]  # and any inner cell left open
         outermost = at == 0
@@ -176,7 +179,7 @@ class CellReporter:
                 self._fault = _end_of_cell_fault(err)
         if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
             self._show_hint(result)
-        if not outermost or result.error_before_exec is not None:
+        if not outermost or info is None or result.error_before_exec is not None:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:

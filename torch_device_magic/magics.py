@@ -215,7 +215,7 @@ class TorchDeviceMagics(Magics):
         "--no-default",
         action="store_true",
         help="only bind `device`: leave torch's default device as it is for this choice "
-        "(no cost on every torch call; forked workers make no tensors there)",
+        "(no cost on every torch call, and DataLoader(shuffle=True) works)",
     )
     @line_magic
     @user_errors

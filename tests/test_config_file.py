@@ -38,3 +38,14 @@ def test_extension_and_traits_load_from_ipython_config(tmp_path, torch_default):
     out = run_ipython(tmp_path, config, code)
     assert "device = meta" in out
     assert f"zeros on {'meta' if torch_default else 'cpu'}" in out
+
+
+def test_devreport_on_outlasts_a_reload_after_the_config_files_off(tmp_path):
+    config = (
+        'c.InteractiveShellApp.extensions = ["torch_device_magic"]\n'
+        "c.TorchDeviceMagics.auto_report = False\n"
+    )
+    out = run_ipython(tmp_path, config, "%devreport on\n%reload_ext torch_device_magic\n"
+                      "%devreport status")
+    statuses = [line for line in out.splitlines() if line.startswith("per-cell report:")]
+    assert statuses[-1].startswith("per-cell report: on"), out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -227,3 +228,104 @@ def test_reload_leaves_exactly_one_set_of_hooks(ip):
     ip.run_cell("x = 1")
     ip.run_line_magic("unload_ext", "torch_device_magic")
     assert ours() == 0
+
+
+def test_device_no_default_binds_device_only(ip):
+    ip.run_cell("%device meta --no-default")
+    assert ip.user_ns["device"] == torch.device("meta")
+    assert torch_default_device() is None
+    assert torch.zeros(1).device.type == "cpu"
+    ip.run_cell("%device meta")
+    assert torch.zeros(1).device.type == "meta"
+    ip.run_cell("%device meta --no-default")  # takes back the default it had set
+    assert torch_default_device() is None
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = False")
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = True")
+    assert torch_default_device() is None  # still this choice's: bind `device` only
+
+
+def test_a_default_device_set_by_hand_is_never_undone(ip):
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    torch.set_default_device(meta)  # the user's own, after loading
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = False")
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = True")
+    assert torch_default_device() == meta
+    ip.run_cell("%device reset")  # nothing of ours to undo
+    assert torch_default_device() == meta
+    ip.run_cell("%device meta")
+    torch.set_default_device(cpu)  # the user's again, over ours
+    ip.run_cell("%device reset")
+    ip.run_cell("%config TorchDeviceMagics.set_torch_default = False")
+    assert torch_default_device() == cpu
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert torch_default_device() == cpu
+
+
+def in_a_forked_child(report) -> str:
+    """What `report()` returns in a child forked from this process."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer, and never return into pytest
+        try:
+            os.write(write, report().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        text = answer.read()
+    os.waitpid(pid, 0)
+    return text
+
+
+def default_here() -> str:
+    return f"{torch.zeros(1).device.type} {torch_default_device()}"
+
+
+def test_forked_children_start_without_our_default_device(ip):
+    ip.run_cell("%device meta")
+    assert in_a_forked_child(default_here) == "cpu None"
+    assert default_here() == "meta meta"  # this process keeps it
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    torch.set_default_device("meta")  # the user's own: the handler, still registered, keeps it
+    assert in_a_forked_child(default_here) == "meta meta"
+
+
+def test_data_loader_workers_under_device_meta(ip):
+    ip.run_cell("%device meta")
+    ip.run_cell(
+        "import numpy as np\n"
+        "from torch.utils.data import DataLoader, Dataset\n"
+        "from torch_device_magic.devices import torch_default_device\n"
+        "class Samples(Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 4\n"
+        "    def __getitem__(self, i):  # runs in a worker: what is torch's default there?\n"
+        "        return np.full(2, i, dtype=np.float32), str(torch_default_device())\n"
+        "loader = DataLoader(Samples(), batch_size=2, num_workers=2, "
+        "multiprocessing_context='fork')\n"
+        "with torch.device('cpu'):  # the parent draws the workers' seeds: meta has no numbers\n"
+        "    batches = list(loader)\n"
+        "after = torch.zeros(1).device.type"
+    )
+    batches = ip.user_ns["batches"]
+    assert [seen for _, defaults in batches for seen in defaults] == ["None"] * 4
+    assert [b.device.type for b, _ in batches] == ["cpu", "cpu"]
+    assert torch.cat([b for b, _ in batches])[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ip.user_ns["after"] == "meta"  # the main process still has it
+
+
+def test_a_failing_restore_does_not_replace_the_cells_error(ip, capsys, monkeypatch):
+    from torch_device_magic import moving
+
+    def broken(ns, moved):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(moving, "restore", broken)
+    ip.run_cell("w = torch.ones(2)")
+    with pytest.raises(ValueError, match="mine"):
+        ip.run_cell("%%ondevice meta --restore\nw = w * 2\nraise ValueError('mine')")
+    assert "%%ondevice --restore could not send back what moved: CUDA error" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # after a cell that ran
+        ip.run_cell("%%ondevice meta --restore\nw = w * 2")

@@ -118,6 +118,51 @@ def test_out_of_memory_frees_the_tracebacks_frames():
     assert "Largest" not in text  # CPU tensors are not what filled the GPU
 
 
+def test_mps_out_of_memory_gets_the_out_of_memory_hint():
+    freed = []
+
+    def step():
+        activations = torch.ones(1000)
+        freed.append(weakref.ref(activations))
+        # What MPS raises: a plain RuntimeError, not torch.OutOfMemoryError.
+        raise RuntimeError(
+            "MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.20 GB, "
+            "max allowed: 18.13 GB). Tried to allocate 256.00 MB on private pool."
+        )
+
+    err = error_of(step)
+    text = hint(err, {}, "step()", torch.device("mps"))
+    assert text.startswith(f"{PREFIX} the accelerator ran out of memory.")
+    assert "%gpufree" in text
+    assert freed[0]() is None
+
+
+def test_cuda_in_a_forked_data_loader_worker_names_the_fix():
+    loader = DataLoader(ForkedCuda(), num_workers=1, multiprocessing_context="fork")
+    err = error_of(lambda: next(iter(loader)))  # re-raised from the worker, as torch does
+    assert "Caught RuntimeError in DataLoader worker process 0" in str(err)
+    text = hint(err, {}, "next(iter(loader))", torch.device("cuda:1"))
+    assert text.splitlines()[0] == (
+        f"{PREFIX} a forked subprocess (a DataLoader worker) used CUDA, which cannot start "
+        "again in a child of a process that already started it."
+    )
+    assert "DataLoader(..., multiprocessing_context='spawn')" in text
+    assert "%device cuda:1 --no-default" in text
+    assert "persistent_workers=True" in text
+    assert "%device cuda --no-default" in hint(err, {}, "", None)
+
+
+class ForkedCuda(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        raise RuntimeError(
+            "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+            "you must use the 'spawn' start method"
+        )
+
+
 @pytest.mark.parametrize("error", [
     ZeroDivisionError("division by zero"),
     RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),

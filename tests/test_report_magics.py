@@ -165,6 +165,15 @@ def test_bad_threshold_is_refused(ip):
     assert magics(ip).reporter.sync is False
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), float("-inf")])
+def test_a_threshold_must_be_finite(ip, capsys, value):
+    with pytest.raises(TraitError, match="report_min_seconds must be a finite number"):
+        magics(ip).report_min_seconds = value
+    assert magics(ip).report_min_seconds == 0
+    run(ip, "%devreport status")
+    assert "per-cell report: on (every cell" in capsys.readouterr().out
+
+
 def test_a_gpumem_cell_is_reported_once(ip, capsys):
     capsys.readouterr()
     run(ip, "%%gpumem\ne = torch.ones(1000)")
@@ -403,3 +412,128 @@ def test_report_traits_from_ipython_config(tmp_path, setting, status):
     out = run_ipython(tmp_path, config, "x = 1\n%devreport status")
     assert status in out
     assert not report_lines(out)
+
+
+class FakeAccelerator:
+    """A runtime that is up, whose end-of-cell synchronisation raises `error`."""
+
+    name = "cuda:0"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def counters(self):
+        return probes.Counters(0, 0, 0, 0)
+
+    def start_peak(self):
+        pass
+
+    def record_event(self):
+        return None
+
+    def sampled_peak_bytes(self):
+        return None
+
+    def synchronize(self):
+        raise self.error
+
+
+def with_failing_sync(monkeypatch, error: BaseException) -> None:
+    from torch_device_magic import measure
+
+    monkeypatch.setattr(measure, "active_accelerator", lambda *args: FakeAccelerator(error))
+
+
+def test_a_cuda_error_at_the_end_of_the_cell_is_named(ip, capsys, monkeypatch):
+    capsys.readouterr()
+    before = len(history(ip))
+    with_failing_sync(
+        monkeypatch, RuntimeError("CUDA error: an illegal memory access was encountered")
+    )
+    run(ip, "k = 1")
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "torch_device_magic: a CUDA error surfaced at the end of the cell: "
+        "RuntimeError: CUDA error: an illegal memory access was encountered"
+    )
+    assert "Traceback" not in out.out + out.err
+    assert len(history(ip)) == before  # nothing measured is recorded
+
+
+def test_ctrl_c_during_the_end_of_cell_sync_is_one_line(ip, capsys, monkeypatch):
+    capsys.readouterr()
+    with_failing_sync(monkeypatch, KeyboardInterrupt())
+    run(ip, "k = 1")
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        "torch_device_magic: interrupted at the end of the cell; not measured"
+    ]
+    assert "Error in callback" not in out.out + out.err
+    assert "Traceback" not in out.out + out.err
+    monkeypatch.undo()
+    run(ip, "k = 2")  # the next cell is measured again
+    assert len(report_lines(capsys.readouterr().out)) == 1
+
+
+def test_devreport_is_one_switch_with_auto_report_across_reloads(ip, capsys):
+    run(ip, "%config TorchDeviceMagics.auto_report = False")
+    run(ip, "%reload_ext torch_device_magic")
+    run(ip, "%devreport on")
+    run(ip, "%reload_ext torch_device_magic")
+    capsys.readouterr()
+    run(ip, "m = 1")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+    run(ip, "%devreport off")
+    run(ip, "%reload_ext torch_device_magic")
+    capsys.readouterr()
+    run(ip, "m = 2")
+    assert not report_lines(capsys.readouterr().out)
+    run(ip, "%config TorchDeviceMagics.auto_report = True")  # the latest choice wins
+    run(ip, "%reload_ext torch_device_magic")
+    run(ip, "m = 3")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+
+
+def test_the_line_starts_a_line_of_its_own(ip, capsys):
+    capsys.readouterr()
+    run(ip, "print('x', end='')")
+    out = capsys.readouterr().out
+    assert out.startswith("x\ntime "), out
+    run(ip, "print('y')")
+    assert capsys.readouterr().out.startswith("y\ntime ")  # no blank line between
+    assert "CellReporter" not in getattr(sys.stdout.write, "__qualname__", "")  # unwrapped
+
+
+def test_a_cell_run_inside_a_cell_reports_the_outer_cell_once(ip, capsys):
+    capsys.readouterr()
+    before = len(history(ip))
+    n = ip.execution_count
+    run(ip, "%%capture c\nprint('hi')")
+    out = capsys.readouterr().out
+    captured = ip.user_ns["c"]  # the inner cell's report is not in what was captured
+    assert (captured.stdout, captured.outputs) == ("hi\n", [])
+    assert len(report_lines(out)) == 1
+    run(ip, "get_ipython().run_cell('a = 1'); get_ipython().run_cell('b = 2')")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+    cells = [r.cell for r in history(ip)[before:]]
+    assert cells == [n, n + 1]
+
+
+def test_devreport_status_says_that_the_peak_counter_is_reset(ip, capsys):
+    run(ip, "%devreport status")
+    out = capsys.readouterr().out
+    assert "resets torch's process-wide peak memory counter before each cell" in out
+    assert "the session's peak is in %devhistory" in out
+    run(ip, "%devreport off")
+    assert "peak memory counter" not in capsys.readouterr().out  # off, it resets nothing
+
+
+def test_a_cell_that_ipython_failed_to_finish_does_not_stop_the_report(ip, capsys):
+    reporter = magics(ip).reporter
+    reporter.pre_run_cell(object())
+    reporter.post_run_cell(None)  # what IPython's run_cell sends when its own code raised
+    capsys.readouterr()
+    run(ip, "n = 1")
+    assert len(report_lines(capsys.readouterr().out)) == 1

@@ -52,6 +52,9 @@ def test_a_session_in_the_ipython_terminal(tmp_path):
     assert len(report.splitlines()) == 1 and DURATION.search(report), report
     assert "<" not in report, f"the terminal got HTML: {report!r}"
 
+    glued = term.cell('print("x", end="")')  # the line starts on a line of its own
+    assert glued.splitlines()[0] == "x" and DURATION.search(glued.splitlines()[1]), glued
+
     # --simple-prompt reads a cell magic until its joined lines end with a blank line
     nograd = term.cell("%%nograd", "y = w * 2", "y.requires_grad", "", "")
     assert re.search(r"Out\[\d+\]: False", nograd), nograd

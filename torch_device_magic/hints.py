@@ -6,10 +6,12 @@
       The cell uses: model (cuda:0), x (cpu)
       Fix: run the cell with %%ondevice cuda:0 (moves what it uses there), or .to(device) each one.
 
-Four errors get one: tensors on different devices, out of memory, a CUDA
-checkpoint loaded without CUDA, and the DataLoader under a non-CPU default
-device (keyed on that default and a frame in `torch/utils/data`, because the
-message differs per device: a generator error on CUDA, `.item()` on meta).
+Five errors get one: tensors on different devices, out of memory (CUDA's
+`OutOfMemoryError`, and MPS's plain RuntimeError), a CUDA checkpoint loaded
+without CUDA, CUDA used in a forked subprocess (a DataLoader worker), and the
+DataLoader under a non-CPU default device (keyed on that default and a frame in
+`torch/utils/data`, because the message differs per device: a generator error
+on CUDA, `.item()` on meta).
 Every other error gets None. Nothing here touches CUDA unless its runtime is
 already up.
 """
@@ -35,6 +37,8 @@ _MISMATCH = re.compile(
 _DEVICE = re.compile(r"\b(?:cuda|mps|xpu)(?::\d+)?\b|\bcpu\b|\bmeta\b")
 _DATA_DIR = os.sep + os.path.join("torch", "utils", "data") + os.sep
 _MAX_NAMES = 6
+_MPS_OOM = "MPS backend out of memory"  # a plain RuntimeError, not OutOfMemoryError
+_FORKED = "Cannot re-initialize CUDA in forked subprocess"
 
 
 def hint(
@@ -53,10 +57,12 @@ def hint(
     traceback's frames and `sys.last_*`, so that their tensors can be freed.
     """
     message = str(error)
-    if isinstance(error, OOM):
+    if isinstance(error, OOM) or (isinstance(error, RuntimeError) and _MPS_OOM in message):
         return _out_of_memory(error, namespace)
     if not isinstance(error, RuntimeError):
         return None
+    if _FORKED in message:  # also re-raised by the DataLoader from its worker
+        return _forked(session_device)
     if _MISMATCH.search(message):
         return _mismatch(message, namespace, source, session_device)
     if "Attempting to deserialize object on" in message:
@@ -155,6 +161,19 @@ def _checkpoint(session: torch.device | None) -> str:
         f"{PREFIX} this checkpoint was saved on a CUDA GPU that this machine does not have.\n"
         f"  Load it onto the session device: torch.load(path, map_location={target!r}) "
         "(or map_location=device)."
+    )
+
+
+def _forked(session: torch.device | None) -> str:
+    target = "cuda" if session is None or session.type != "cuda" else str(session)
+    return (
+        f"{PREFIX} a forked subprocess (a DataLoader worker) used CUDA, which cannot "
+        "start again in a child of a process that already started it.\n"
+        "  Fix: DataLoader(..., multiprocessing_context='spawn') (or "
+        "torch.multiprocessing.set_start_method('spawn')); or keep CUDA out of the workers "
+        f"(%device {target} --no-default leaves factory functions on the CPU: move each "
+        "batch with .to(device)); or start the workers before anything uses CUDA "
+        "(iter(loader) with persistent_workers=True, first thing in the notebook)."
     )
 
 

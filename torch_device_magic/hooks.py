@@ -6,7 +6,10 @@
 `register(ip)` first drops callbacks that an older instance left behind (a
 reload after a failed unload), so there is always exactly one set; pre and
 post are paired through `result.info`, since blank cells and the `%load_ext`
-cell fire `post_run_cell` without `pre_run_cell`.
+cell fire `post_run_cell` without `pre_run_cell`. A cell run inside a cell
+(`%%capture`, `get_ipython().run_cell(...)`) fires both events again inside the
+outer pair: the cells open are kept as a stack, and only the outermost is
+measured and reported (its line is not in the inner cell's captured output).
 
 The cost per cell is what the measurement needs and no more. Below the
 thresholds nothing is formatted. The line goes to the frontend as one MIME
@@ -14,8 +17,14 @@ bundle (text and HTML) through the display publisher, without IPython's
 formatter machinery; where that publisher is IPython's own terminal one, which
 would print the text and nothing else, the text is printed directly, and on an
 ipykernel the message is queued behind the cell's output without waiting (`publish`).
+In the terminal, what the cell writes to `sys.stdout` is watched (its `write`
+wrapped for the cell, as IPython 9 does to keep outputs) so that the line starts
+on a line of its own after `print("x", end="")`.
 A fault in a probe reads `n/a` in the line; a fault anywhere else is one line
-saying so, never a traceback in the user's cell.
+saying so, never a traceback in the user's cell. An error raised by the
+end-of-cell synchronisation (a CUDA error from the cell's own kernels, which run
+asynchronously) is named as such, and Ctrl-C there is one line, not IPython's
+"Error in callback" traceback.
 
 After a cell that raised, the hint (`hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
@@ -50,9 +59,11 @@ class CellReporter:
         self.history = History(history_size)
         self._meter: Meter | None = None
         self._shell: Any = None
-        self._info: object = None
+        self._open: list[object] = []  # the `info` of each cell running now, outermost first
+        self._stdout_watch: tuple[Any, Any, Any, bool] | None = None
+        self._line_open = False  # the cell's output so far ends inside a line
         self._adopted: Measurement | None = None
-        self._fault: str | None = None
+        self._fault: str | None = None  # the line to show instead of the measurement
         self._hint: Callable[[BaseException, str], str | None] | None = None
 
     @property
@@ -81,7 +92,9 @@ class CellReporter:
         """Stop reporting on `ip`; the history stays."""
         if self._meter is not None:
             self._meter.close()
-        self._meter = self._shell = self._info = None
+        self._unwatch_stdout()
+        self._meter = self._shell = None
+        self._open = []
         self._hook(ip)
 
     def set_hint(self, ip: Any, hint: Callable[[BaseException, str], str | None] | None) -> None:
@@ -108,51 +121,73 @@ class CellReporter:
                 ip.events.register(event, mine)
 
     def status(self) -> str:
-        """One line: on or off, the thresholds, synchronisation, the history's size."""
+        """On or off, the thresholds, synchronisation, the history's size; when on, what
+        it does to torch's peak counter."""
         limits = [f"at least {fmt_seconds(self.min_seconds)}"] if self.min_seconds else []
         if self.min_bytes:
             limits.append(f"at least {fmt_bytes(self.min_bytes)}")
         shown = f"cells reaching {' or '.join(limits)}" if limits else "every cell"
-        return (
+        line = (
             f"per-cell report: {'on' if self.registered else 'off'} ({shown}; "
             f"synchronise: {'on' if self.sync else 'off'}); "
             f"{len(self.history)} cells in the history (%devhistory)"
         )
+        if not self.registered:
+            return line
+        return (
+            f"{line}\n  It resets torch's process-wide peak memory counter before each cell, "
+            "so max_memory_allocated() covers the last cell only; the session's peak is in "
+            "%devhistory."
+        )
 
     def adopt(self, measurement: Measurement) -> None:
         """Take `measurement` (from %%gpumem) as this cell's record, and show nothing more."""
-        if self._info is not None:
+        if len(self._open) == 1:  # in the outermost cell, not in a cell that it ran
             self._adopted = measurement
 
     def pre_run_cell(self, info: object) -> None:
-        self._info, self._adopted, self._fault = info, None, None
+        self._open.append(info)
+        if len(self._open) > 1:
+            return  # a cell run inside a cell: the outer one is measured
+        self._adopted, self._fault, self._line_open = None, None, False
         try:
+            if self._prints():
+                self._watch_stdout()
             self._meter.start()
         except Exception as err:
-            self._fault = _describe(err)
+            self._fault = f"torch_device_magic could not measure: {_describe(err)}"
 
     def post_run_cell(self, result: Any) -> None:
         # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
-        paired = self._info is not None and result.info is self._info
+        info = getattr(result, "info", None)
+        if info is None:  # IPython failed before it made a result: the innermost cell ended
+            at = len(self._open) - 1 if self._open else None
+        else:
+            at = next((n for n, opened in enumerate(self._open) if opened is info), None)
+        if at is not None:
+            del self._open[at:]  # and any inner cell left open
+        outermost = at == 0
         measured = None
-        if paired:
-            self._info = None
+        if outermost:
+            self._unwatch_stdout()
             try:
                 if self._fault is None:
                     measured = self._meter.stop()
+            except KeyboardInterrupt:  # Ctrl-C while waiting for the device
+                self._fault = "torch_device_magic: interrupted at the end of the cell; not measured"
             except Exception as err:
-                self._fault = _describe(err)
-        if self._hint is not None and result.error_in_exec is not None:
+                self._fault = _end_of_cell_fault(err)
+        if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
             self._show_hint(result)
-        if not paired or result.error_before_exec is not None:
+        if not outermost or info is None or result.error_before_exec is not None:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
                 self._record(measured, result.execution_count)
         except Exception as err:
-            self._fault = _describe(err)
+            self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._fault is not None:
-            self._publish({"text/plain": f"torch_device_magic could not measure: {self._fault}"})
+            self._publish({"text/plain": self._fault})
 
     def _show_hint(self, result: Any) -> None:
         """Print the hint for the cell's error under its traceback; a fault here shows nothing."""
@@ -180,20 +215,60 @@ class CellReporter:
             or (self.min_bytes and record.largest_bytes() >= self.min_bytes)
         )
 
-    def _show(self, record: Measurement) -> None:
+    def _prints(self) -> bool:
+        """Whether the line is printed: IPython's own terminal publisher would print the
+        text and nothing else."""
         shell = self._shell
-        publisher = shell.display_pub
-        if type(publisher).publish is DisplayPublisher.publish and not getattr(
+        return type(shell.display_pub).publish is DisplayPublisher.publish and not getattr(
             shell, "mime_renderers", None
-        ):
-            # All that IPython's own terminal publisher would print; one write, not print's two.
-            sys.stdout.write(record.summary() + "\n")
+        )
+
+    def _show(self, record: Measurement) -> None:
+        if self._prints():
+            self._print(record.summary())
         else:
-            publish(publisher, record._repr_mimebundle_())
+            publish(self._shell.display_pub, record._repr_mimebundle_())
 
     def _publish(self, bundle: dict[str, str]) -> None:
         with contextlib.suppress(Exception):  # nowhere to show it: the record is kept
-            publish(self._shell.display_pub, bundle)
+            if self._prints():
+                self._print(bundle["text/plain"])
+            else:
+                publish(self._shell.display_pub, bundle)
+
+    def _print(self, text: str) -> None:
+        """One write (not print's two), on a line of its own."""
+        sys.stdout.write(("\n" if self._line_open else "") + text + "\n")
+        self._line_open = False
+
+    def _watch_stdout(self) -> None:
+        """Wrap `sys.stdout.write` for this cell, to learn whether its output ends a line."""
+        stream = sys.stdout
+        write = stream.write
+
+        def watched(text: str, *args: Any, **kwargs: Any) -> Any:
+            if text:
+                self._line_open = not text.endswith("\n")
+            return write(text, *args, **kwargs)
+
+        had_own = "write" in getattr(stream, "__dict__", ())  # IPython 9 wraps it too
+        try:
+            stream.write = watched
+        except (AttributeError, TypeError):  # a stream that cannot be wrapped: not watched
+            return
+        self._stdout_watch = (stream, write, watched, had_own)
+
+    def _unwatch_stdout(self) -> None:
+        watch, self._stdout_watch = self._stdout_watch, None
+        if watch is None:
+            return
+        stream, write, watched, had_own = watch
+        if getattr(stream, "__dict__", {}).get("write") is not watched:
+            return  # wrapped again over ours and not put back: leave it as it is
+        if had_own:
+            stream.write = write
+        else:
+            del stream.write
 
 
 def publish(publisher: Any, bundle: dict[str, str]) -> None:
@@ -238,6 +313,17 @@ def publish(publisher: Any, bundle: dict[str, str]) -> None:
             session.send(socket, msg, ident=topic)
 
     io_thread.schedule(flush_then_send)
+
+
+def _end_of_cell_fault(err: BaseException) -> str:
+    """What the line says when stopping the measurement raised `err`."""
+    if "CUDA error" in str(err):  # the synchronisation surfaced an error of the cell's kernels
+        return (
+            f"torch_device_magic: a CUDA error surfaced at the end of the cell: {_describe(err)} "
+            "(kernels run asynchronously: the cell's own code caused it, and CUDA may be "
+            "unusable until the kernel restarts)"
+        )
+    return f"torch_device_magic could not measure: {_describe(err)}"
 
 
 def _describe(err: BaseException) -> str:

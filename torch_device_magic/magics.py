@@ -9,6 +9,7 @@ returns what it got. A `DeviceMagicError` from below becomes IPython's own
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
 from . import cells, devices, gpumem, hints, moving
+from .default_device import DefaultDevice
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
 from .errors import DeviceMagicError
@@ -80,19 +82,23 @@ class TorchDeviceMagics(Magics):
     set_torch_default = Bool(
         True,
         help="Make the %device choice torch's default device for factory functions "
-        "(torch.set_default_device). It costs a little on every torch call and breaks "
-        "DataLoader(shuffle=True) on a non-CPU default; set False to only bind `device`.",
+        "(torch.set_default_device). It costs on every torch call (about 1.5x on a small "
+        "MLP training step on a CPU) and breaks DataLoader(shuffle=True) on a non-CPU "
+        "default; set False to only bind `device` (%device DEV --no-default: for one "
+        "choice). Only a default that we set is ever undone.",
     ).tag(config=True)
 
     auto_report = Bool(
         True,
         help="Show one line after every cell: wall time, device time, device and host "
-        "memory change and peak (%devreport on|off).",
+        "memory change and peak. %devreport on|off is the same switch: the latest choice "
+        "wins, and lasts through %reload_ext. It resets torch's peak memory counter "
+        "before each cell (the session's peak is in %devhistory).",
     ).tag(config=True)
     report_min_seconds = Float(
         0.0,
-        help="Show the per-cell line only for cells that take at least this long "
-        "(0 = unset; with both thresholds unset every cell is shown).",
+        help="Show the per-cell line only for cells that take at least this many seconds "
+        "(a finite number; 0 = unset; with both thresholds unset every cell is shown).",
     ).tag(config=True)
     report_min_bytes = Int(
         0,
@@ -116,6 +122,8 @@ class TorchDeviceMagics(Magics):
         self.reporter = CellReporter()
         self.session_device: torch.device | None = None
         self._bound: torch.device | None = None  # what `device` was bound to, by us
+        self._bind_only = False  # `%device DEV --no-default`: torch's default left alone
+        self._default = DefaultDevice()
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
@@ -123,6 +131,11 @@ class TorchDeviceMagics(Magics):
 
     @validate("report_min_seconds", "report_min_bytes")
     def _not_negative(self, proposal: Any) -> Any:
+        if not math.isfinite(proposal.value):
+            raise TraitError(
+                f"{proposal.trait.name} must be a finite number, 0 (unset) or more, "
+                f"not {proposal.value}"
+            )
         if proposal.value < 0:
             raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
         return proposal.value
@@ -154,18 +167,20 @@ class TorchDeviceMagics(Magics):
         self._apply_default()
 
     def _apply_default(self) -> None:
-        if self.session_device is None or not self.set_torch_default:
-            torch.set_default_device(self._default_at_load)
-        elif self.session_device.type == "cpu":
-            # Torch's own default already is the CPU, and an installed default device
-            # costs on every torch call (a small training loop ran 4x slower).
-            torch.set_default_device(None)
+        """Make the session device torch's default, or undo ours; another's is left alone."""
+        dev = self.session_device
+        if dev is None or not self.set_torch_default or self._bind_only:
+            self._default.release()
         else:
-            torch.set_default_device(self.session_device)
+            # Torch's own default already is the CPU, and an installed default device
+            # costs on every torch call (see the README's %device section): none for it.
+            self._default.install(None if dev.type == "cpu" else dev)
 
-    def set_session_device(self, dev: torch.device | None) -> None:
-        """Bind `device` in the namespace and (per `set_torch_default`) torch's default."""
+    def set_session_device(self, dev: torch.device | None, torch_default: bool = True) -> None:
+        """Bind `device` in the namespace and, unless `torch_default` is False (or
+        `set_torch_default` is), make it torch's default device."""
         self.session_device = dev
+        self._bind_only = not torch_default
         self._apply_default()
         self._bound = torch.device("cpu") if dev is None else dev
         self.shell.user_ns["device"] = self._bound
@@ -174,9 +189,9 @@ class TorchDeviceMagics(Magics):
         """Undo what loading and the magics changed: hooks, default device, grad mode."""
         self.reporter.unregister(self.shell)
         self.reporter.set_hint(self.shell, None)
+        self._default.release()  # ours only; forked children are left alone from now on
         if self.session_device is not None:
             self.session_device = None
-            self._apply_default()
             if self.shell.user_ns.get("device") is self._bound:  # not rebound by the user
                 self.shell.user_ns["device"] = self._default_at_load or torch.device("cpu")
         if self._grad_before_nograd is not None:
@@ -196,6 +211,12 @@ class TorchDeviceMagics(Magics):
         help="also move the namespace's tensors, models and optimizers there (as "
         "%%%%ondevice --all does)",
     )
+    @argument(
+        "--no-default",
+        action="store_true",
+        help="only bind `device`: leave torch's default device as it is for this choice "
+        "(no cost on every torch call, and DataLoader(shuffle=True) works)",
+    )
     @line_magic
     @user_errors
     def device(self, line: str) -> None:
@@ -206,8 +227,12 @@ class TorchDeviceMagics(Magics):
 
         The choice is bound as `device` in the namespace and becomes torch's
         default device for factory functions (`torch.zeros(3)` lands there),
-        unless `%config TorchDeviceMagics.set_torch_default = False`; the CPU,
-        torch's own default, installs none (a default costs on every torch call).
+        unless `--no-default` (this choice) or `%config
+        TorchDeviceMagics.set_torch_default = False` (every choice); the CPU,
+        torch's own default, installs none. That default costs on every torch
+        call (a small MLP training step took about 1.5x as long on a CPU, see
+        the README); forked DataLoader workers start without it. A default
+        set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
         a CUDA context) and marks the session device with `*`. `--move` also
         moves every tensor, model and optimizer in the namespace there, all or
@@ -225,7 +250,7 @@ class TorchDeviceMagics(Magics):
             dev, why = self._resolve(args.spec)
         if args.move:
             moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
-        self.set_session_device(dev)
+        self.set_session_device(dev, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
             display(moved.table())
@@ -321,18 +346,26 @@ class TorchDeviceMagics(Magics):
         moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
         if args.verbose:
             display(moved.table())
+        failed = False
         try:
             with torch.device(dev):
                 return cells.run(self.shell, cell)
         except BaseException as err:
             # The hint comes after the default is restored: tell it what was in force.
-            self._failed_under = (id(err), dev)
+            self._failed_under, failed = (id(err), dev), True
             raise
         finally:
             if args.restore:
-                back = moving.restore(self.shell.user_ns, moved)
-                if args.verbose:
-                    display(back.table())
+                try:
+                    back = moving.restore(self.shell.user_ns, moved)
+                except Exception as restore_error:
+                    if not failed:
+                        raise
+                    # The cell's own error (a sticky CUDA error, say) is the one raised.
+                    print(f"%%ondevice --restore could not send back what moved: {restore_error}")
+                else:
+                    if args.verbose:
+                        display(back.table())
 
     @magic_arguments()
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")
@@ -502,13 +535,23 @@ class TorchDeviceMagics(Magics):
         cells reaching one of them are shown; every measured cell is kept in the
         history, shown or not. The device is synchronised before the clock stops
         only where its runtime is already up (`sync`); no CUDA context is ever
-        created. Same as `%config TorchDeviceMagics.auto_report = True/False`.
+        created.
+
+        It is the same switch as `%config TorchDeviceMagics.auto_report =
+        True/False`: whichever was used last wins, and it lasts through
+        `%reload_ext`. Where an accelerator is in use, the report resets
+        torch's process-wide peak counter before each cell, so
+        `torch.cuda.max_memory_allocated()` then covers one cell only; the
+        session's peak is in `%devhistory`.
         """
         args = parse(self.devreport, line)
         if args.mode not in ("on", "off", "status"):
             raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r}")
         if args.mode != "status":
             self.auto_report = args.mode == "on"
+            # %config keeps its value in the shell's config, which %reload_ext reads
+            # again: the switch goes there too, so that the latest choice wins.
+            self.shell.config[type(self).__name__]["auto_report"] = self.auto_report
         print(self.reporter.status())
 
     @magic_arguments()

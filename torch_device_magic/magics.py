@@ -223,6 +223,8 @@ class TorchDeviceMagics(Magics):
             dev, why = None, "cpu (torch's default device restored)"
         else:
             dev, why = self._resolve(args.spec)
+        if dev is not None:
+            devices.make_current(dev)  # so that work and figures without an index go there
         if args.move:
             moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
         self.set_session_device(dev)

@@ -209,9 +209,17 @@ class TorchDeviceMagics(Magics):
         unless `%config TorchDeviceMagics.set_torch_default = False`; the CPU,
         torch's own default, installs none (a default costs on every torch call).
         `%device` alone lists every device (read through NVML, without creating
-        a CUDA context) and marks the session device with `*`. `--move` also
-        moves every tensor, model and optimizer in the namespace there, all or
-        nothing, as `%%ondevice --all` does (`%device reset --move` to the CPU).
+        a CUDA context; MIG instances with their own memory) and marks the
+        session device with `*`. `auto` takes the usable GPU with the most free
+        memory: a GPU this torch cannot run on (driver too old, compute
+        capability not built for) is listed with the reason and skipped. Before
+        a CUDA context exists, differing GPUs are listed as `cuda:?` unless
+        CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA counts fastest first, NVML in PCI
+        order), and `auto` then takes `cuda`. A chosen `cuda:N` also becomes
+        CUDA's current device (queued until CUDA starts; nothing starts now).
+        `--move` also moves every tensor, model and optimizer in the namespace
+        there, all or nothing, as `%%ondevice --all` does (`%device reset --move`
+        to the CPU).
         """
         args = parse(self.device, line)
         if args.spec is None:
@@ -565,7 +573,9 @@ class TorchDeviceMagics(Magics):
         wrote 12 records to cells.csv
 
         Records carry the `%%gpumem -o` fields plus `cell`; the last 1000
-        measured cells are kept. `--plot` needs matplotlib.
+        measured cells are kept. Under the table: the session peak per device
+        (the most allocated in any kept cell), since the report resets torch's
+        process-wide peak counter before each cell. `--plot` needs matplotlib.
         """
         args = parse(self.devhistory, line)
         history = self.reporter.history

@@ -187,6 +187,17 @@ def test_a_device_without_a_context_is_neither_read_for_time_nor_synchronised(mo
     assert {d for call, d in machine.calls if call == "synchronize"} == {0}
 
 
+def test_the_session_device_without_a_context_is_not_asked_for_counters(monkeypatch):
+    """cudaMallocAsync reads its counters and resets its peak under a device guard, which
+    makes a context: a device that has none (`%device cuda:1`, not used yet) is not asked."""
+    machine = FakeMachine([Gpu("A"), Gpu("B")], backend="cudaMallocAsync").install(monkeypatch)
+    machine.start_cuda(0)
+    m = measured(machine, lambda m: None, device="cuda:1")
+    asked = {d for call, d in machine.calls if call in ("memory_stats", "reset_peak_memory_stats")}
+    assert asked == {0} and machine.contexts == {0}
+    assert (m.device, m.device_delta_bytes, m.device_s) == ("cuda:1", 0, None)
+
+
 def test_device_time_reads_as_the_current_streams(monkeypatch):
     machine = two_gpus(monkeypatch)
     m = measured(machine, lambda m: m.run(0, 12.5))

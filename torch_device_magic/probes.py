@@ -284,6 +284,8 @@ class Accelerator:
             )
         if self.kind == "cuda" and caching_off():
             return Counters(None, None, None, None)  # the allocator keeps no counts: n/a, not 0
+        if not self.has_context():  # nothing allocated; and cudaMallocAsync would make one
+            return Counters(0, 0, 0, 0)
         stats = guarded(self._memory_stats) or {}
         return Counters(
             stats.get("allocated_bytes.all.current"),
@@ -319,6 +321,8 @@ class Accelerator:
         """Start the peak window: reset the process-wide peak counter (or sample, on MPS)."""
         if self._mps_peak is not None:
             self._mps_peak.start()
+            return
+        if not self.has_context():  # no peak to reset; cudaMallocAsync's reset would make one
             return
         generic = getattr(torch, "accelerator", None)
         if hasattr(generic, "reset_peak_memory_stats") and _current_kind(generic) == self.kind:

@@ -199,8 +199,12 @@ def test_mig_instances_named_in_cuda_visible_devices_are_listed(monkeypatch):
 def test_mig_mode_shows_each_instances_memory_not_the_parents(monkeypatch):
     parent = Gpu(total=80 * GIB, migs=[mig(total=10 * GIB), mig(total=20 * GIB)])
     FakeMachine([parent]).install(monkeypatch)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     inv = devices.take_inventory()
     assert [d.total_bytes for d in inv.of_type("cuda")] == [10 * GIB, 20 * GIB]
+    # CUDA enumerates one MIG instance at most: which of several is unknown before it starts
+    assert {d.device for d in inv.of_type("cuda")} == {"cuda:?"}
+    assert pick_auto(inv)[0] == torch.device("cuda")
 
 
 def test_cuda_order_matches_mig_uuids_bare_once_a_context_exists():

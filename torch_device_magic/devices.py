@@ -320,11 +320,14 @@ def _mig_instances(module: Any, handle: Any) -> list[_Listed]:
 def _order_known(module: Any, listed: list[_Listed], visible: str | None) -> bool:
     """Whether NVML's PCI order is CUDA's too, before a context can tell: CUDA counts
     fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, which is the same order only
-    for identical GPUs; a CUDA_VISIBLE_DEVICES of UUIDs fixes the order itself."""
-    if os.environ.get("CUDA_DEVICE_ORDER", "").strip() == "PCI_BUS_ID":
-        return True
+    for identical GPUs; a CUDA_VISIBLE_DEVICES of UUIDs fixes the order itself. A CUDA
+    process enumerates one MIG instance at most: with several, which one is unknown."""
     entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
     if entries and not any(e.lstrip("-").isdigit() for e in entries):
+        return True
+    if sum(bool(d.uuid and d.uuid.startswith("MIG-")) for d in listed) > 1:
+        return False
+    if os.environ.get("CUDA_DEVICE_ORDER", "").strip() == "PCI_BUS_ID":
         return True
     # A GPU NVML cannot read is left out: it is listed as unusable anyway.
     names = {_guarded_text(module.nvmlDeviceGetName, d.handle) for d in listed if d.handle}

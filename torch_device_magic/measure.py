@@ -120,11 +120,13 @@ def _changed(before: Counters, after: Counters) -> bool:
 class Meter:
     """Measures one stretch of code at a time: `start()` before it, `stop()` after.
 
-    Every device of the measured kind that work may run on (for CUDA: each with a
-    context) is watched: each one whose allocator changed is synchronised before
-    the clock stops. The figures are those of the session's device (`start`'s
+    Every device of the measured kind that work may have run on (for CUDA: each
+    with a context; one never used is not touched, so gets no context) is watched
+    and synchronised before the clock stops, so in-place work on another GPU
+    counts too. The figures are those of the session's device (`start`'s
     `device`, else the torch default, else the current device) unless only
-    another device changed; the others are named in `other_devices`.
+    another device's allocator changed; the others that changed are named in
+    `other_devices`.
     """
 
     def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:

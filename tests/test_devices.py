@@ -331,6 +331,21 @@ def test_device_cuda_n_becomes_the_current_device_without_starting_cuda(ip, monk
     assert machine.current == 0
 
 
+@pytest.mark.parametrize("started", [False, True])
+@pytest.mark.parametrize("then", ["reset", "cpu", "cuda", "unload"])
+def test_leaving_cuda_n_puts_back_the_current_device_it_replaced(ip, monkeypatch, started, then):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    if started:
+        machine.start_cuda()
+    ip.run_line_magic("device", "cuda:1")
+    if then == "unload":
+        ip.run_line_magic("unload_ext", "torch_device_magic")
+    else:
+        ip.run_line_magic("device", then)
+    machine.start_cuda()
+    assert machine.current == 0
+
+
 def test_inventory_on_this_machine_lists_the_cpu_with_its_ram():
     inv = devices.take_inventory()
     cpu = inv.of_type("cpu")[0]

@@ -134,21 +134,21 @@ def resolve(spec: str, inventory: Inventory) -> tuple[torch.device, str]:
     return dev, f"{dev} ({chosen.name}{problem})"
 
 
-def make_current(dev: torch.device) -> None:
-    """Make `dev` CUDA's current device, so that work and probes without an index go
-    there too: at once where CUDA runs, else queued on torch's lazy-init queue, which
-    runs when CUDA starts (nothing starts now)."""
-    if dev.type != "cuda" or dev.index is None:
-        return
-    index = dev.index
+def make_current(index: int) -> int:
+    """Make cuda:`index` CUDA's current device, so that work and probes without an index
+    go there too: at once where CUDA runs, else queued on torch's lazy-init queue, which
+    runs when CUDA starts (nothing starts now). Returns the device it replaces (CUDA's
+    own default, 0, before CUDA starts)."""
     try:
-        if torch.cuda.is_initialized():
-            torch.cuda.set_device(index)
-        else:
+        if not torch.cuda.is_initialized():
             torch.cuda._lazy_call(lambda: torch.cuda.set_device(index))
+            return 0
+        before = torch.cuda.current_device()
+        torch.cuda.set_device(index)
+        return before
     except Exception as err:
-        reason = first_line(err)
-        raise DeviceMagicError(f"cannot make {dev} CUDA's current device: {reason}") from None
+        message = f"cannot make cuda:{index} CUDA's current device: {first_line(err)}"
+        raise DeviceMagicError(message) from None
 
 
 def _unavailable(name: str, kind: str, inventory: Inventory) -> str:

@@ -8,6 +8,7 @@ returns what it got. A `DeviceMagicError` from below becomes IPython's own
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -116,6 +117,7 @@ class TorchDeviceMagics(Magics):
         self.reporter = CellReporter()
         self.session_device: torch.device | None = None
         self._bound: torch.device | None = None  # what `device` was bound to, by us
+        self._cuda_current_before: int | None = None  # CUDA's current device before %device
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
@@ -174,6 +176,8 @@ class TorchDeviceMagics(Magics):
         """Undo what loading and the magics changed: hooks, default device, grad mode."""
         self.reporter.unregister(self.shell)
         self.reporter.set_hint(self.shell, None)
+        with contextlib.suppress(DeviceMagicError):  # unloading goes on regardless
+            self._follow_current(None)
         if self.session_device is not None:
             self.session_device = None
             self._apply_default()
@@ -231,14 +235,24 @@ class TorchDeviceMagics(Magics):
             dev, why = None, "cpu (torch's default device restored)"
         else:
             dev, why = self._resolve(args.spec)
-        if dev is not None:
-            devices.make_current(dev)  # so that work and figures without an index go there
+        self._follow_current(dev)
         if args.move:
             moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
         self.set_session_device(dev)
         print(f"device = {why}")
         if args.move:
             display(moved.table())
+
+    def _follow_current(self, dev: torch.device | None) -> None:
+        """A chosen `cuda:N` also becomes CUDA's current device (so that work and figures
+        without an index go there); any other choice puts back the one it replaced."""
+        if dev is not None and dev.type == "cuda" and dev.index is not None:
+            before = devices.make_current(dev.index)
+            if self._cuda_current_before is None:
+                self._cuda_current_before = before
+        elif self._cuda_current_before is not None:
+            devices.make_current(self._cuda_current_before)
+            self._cuda_current_before = None
 
     def _resolve(self, spec: str) -> tuple[torch.device, str]:
         """The device `spec` names on this machine, and the line that says what it is."""

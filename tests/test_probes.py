@@ -198,6 +198,17 @@ def test_the_session_device_without_a_context_is_not_asked_for_counters(monkeypa
     assert (m.device, m.device_delta_bytes, m.device_s) == ("cuda:1", 0, None)
 
 
+def test_without_sync_nothing_is_waited_for_and_there_is_no_device_time(monkeypatch):
+    machine = two_gpus(monkeypatch)
+    meter = Meter(sync=False)
+    meter.start()
+    machine.run(0, 5.0)
+    m = meter.stop()
+    meter.close()
+    assert m.device == "cuda:0" and m.device_s is None
+    assert not any(call == "synchronize" for call, _ in machine.calls)
+
+
 def test_device_time_reads_as_the_current_streams(monkeypatch):
     machine = two_gpus(monkeypatch)
     m = measured(machine, lambda m: m.run(0, 12.5))

@@ -158,9 +158,9 @@ class Meter:
         """
         main = active_accelerator(self._device, self._kinds)
         watched = [] if main is None else devices_in_use(main)
-        ends = {a.name: a.record_event() for a in watched if self._events.get(a.name) is not None}
-        error = None
-        if self.sync:
+        ends, error = {}, None
+        if self.sync:  # without it the end events are not done, so there is no device time
+            ends = {a.name: a.record_event() for a in watched if self._events.get(a.name)}
             for accel in watched:  # a device with a context: waiting on it creates none
                 if accel.has_context():
                     error = accel.synchronize() or error

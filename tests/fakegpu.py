@@ -104,7 +104,7 @@ class FakeMachine:
         visible = [m for g in gpus for m in (g.migs or [g])]
         self.cuda = [visible[i] for i in (cuda_order or range(len(visible)))]
         self.driver_cuda, self.torch_cuda, self.arch_flags = driver_cuda, torch_cuda, arch_flags
-        self.backend, self.has_nvml = backend, nvml
+        self.backend = backend
         self.initialized = False
         self.contexts: set[int] = set()
         self.current = 0

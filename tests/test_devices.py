@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
+from fakegpu import GIB, FakeMachine, Gpu, GpuIsLost, LibraryNotFound, NoPermission, mig
+from IPython.core.error import UsageError
 
 from torch_device_magic import devices
 from torch_device_magic.devices import DeviceInfo, Inventory, cuda_order, pick_auto, resolve
 from torch_device_magic.errors import DeviceMagicError
 
-GIB = 2**30
 CPU = DeviceInfo("cpu", "Some CPU", 24 * GIB, 20 * GIB)
 
 
@@ -124,40 +124,226 @@ def test_cuda_order_prefers_torch_uuids_once_a_context_exists():
     assert cuda_order(UUIDS, "0,1", torch_uuids=["GPU-cccc", "GPU-aaaa"]) == [2, 0]
 
 
-def fake_nvml(monkeypatch, uuids, free):
-    """A stand-in pynvml module with len(uuids) GPUs in NVML (PCI) order."""
-    mod = types.SimpleNamespace(
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: len(uuids),
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetUUID=lambda h: uuids[h].encode(),
-        nvmlDeviceGetName=lambda h: f"GPU {h}",
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=80 * GIB, free=free[h]),
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=7 * h),
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", mod)
+def listed(inv: Inventory) -> list[tuple]:
+    return [(d.device, d.name, d.total_bytes, d.problem) for d in inv.of_type("cuda")]
+
+
+def three_gpus(**kwargs) -> FakeMachine:
+    """Three identical GPUs (so NVML's order is CUDA's), 1, 2 and 3 GiB used."""
+    return FakeMachine([Gpu(used=(n + 1) * GIB) for n in range(3)], **kwargs)
 
 
 def test_nvml_listing_maps_visible_devices_to_cuda_ordinals(monkeypatch):
-    fake_nvml(monkeypatch, UUIDS, [1 * GIB, 2 * GIB, 3 * GIB])
+    machine = three_gpus().install(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
     gpus, why = devices.nvml_gpus()
-    assert [(g.device, g.name, g.free_bytes) for g in gpus] == [
-        ("cuda:0", "GPU 2", 3 * GIB),
-        ("cuda:1", "GPU 1", 2 * GIB),
-    ]
-    assert gpus[0].utilization_pct == 14 and why == ""
+    assert [(g.device, g.free_bytes) for g in gpus] == [("cuda:0", 77 * GIB), ("cuda:1", 78 * GIB)]
+    assert gpus[0].utilization_pct == 4 and why == ""
+    assert not machine.initialized
 
 
 def test_nvml_missing_is_a_reason_not_a_crash(monkeypatch):
-    def boom():
-        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
-
-    fake_nvml(monkeypatch, UUIDS, [0, 0, 0])
-    monkeypatch.setattr(sys.modules["pynvml"], "nvmlInit", boom)
+    FakeMachine([Gpu()], nvml=False).install(monkeypatch)
     gpus, why = devices.nvml_gpus()
-    assert gpus == [] and why == "NVML is not available (OSError)"
+    assert gpus == [] and why == "NVML is not available (NVMLError_LibraryNotFound)"
+
+
+def test_nvml_starts_once_per_session_and_a_failed_start_is_tried_again(monkeypatch):
+    machine = three_gpus().install(monkeypatch)
+    machine.nvml_init_error = LibraryNotFound
+    assert devices.take_inventory().of_type("cuda") == []
+    machine.nvml_init_error = None  # the driver came back (a container restarted it)
+    for _ in range(3):
+        assert len(devices.take_inventory().of_type("cuda")) == 3
+    assert machine.nvml_inits == 2  # the failure, then one start for the session
+
+
+@pytest.mark.parametrize("error", [NoPermission, GpuIsLost])
+def test_one_gpu_nvml_refuses_does_not_hide_the_others(monkeypatch, error):
+    machine = three_gpus().install(monkeypatch)
+    machine.gpus[0].fail = error
+    inv = devices.take_inventory()
+    reason = f"NVML cannot read it ({error.__name__.removeprefix('NVMLError_')})"
+    assert [(d.device, d.problem) for d in inv.of_type("cuda")] == [
+        ("cuda:0", reason), ("cuda:1", None), ("cuda:2", None)
+    ]
+    assert pick_auto(inv)[0] == torch.device("cuda:1")  # the most free of the readable ones
+    assert f"unknown GPU (not usable: {reason})" in devices.device_table(inv, None).text()
+
+
+def test_a_lost_gpu_reading_its_memory_is_listed_with_the_reason(monkeypatch):
+    machine = three_gpus().install(monkeypatch)
+    real = sys.modules["pynvml"].nvmlDeviceGetMemoryInfo
+
+    def lost(gpu):
+        if gpu is machine.gpus[2]:
+            raise GpuIsLost()
+        return real(gpu)
+
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlDeviceGetMemoryInfo", lost)
+    inv = devices.take_inventory()
+    problems = [d.problem for d in inv.of_type("cuda")]
+    assert problems == [None, None, "NVML cannot read it (GpuIsLost)"]
+
+
+def test_mig_instances_named_in_cuda_visible_devices_are_listed(monkeypatch):
+    parent = Gpu(migs=[mig(total=10 * GIB), mig("NVIDIA A100 MIG 3g.40gb", 40 * GIB)])
+    machine = FakeMachine([parent], cuda_order=[1]).install(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent.migs[1].nvml_uuid)
+    inv = devices.take_inventory()
+    assert listed(inv) == [("cuda:0", "NVIDIA A100 MIG 3g.40gb", 40 * GIB, None)]
+    assert pick_auto(inv)[0] == torch.device("cuda:0")
+    assert not machine.initialized
+
+
+def test_mig_mode_shows_each_instances_memory_not_the_parents(monkeypatch):
+    parent = Gpu(total=80 * GIB, migs=[mig(total=10 * GIB), mig(total=20 * GIB)])
+    FakeMachine([parent]).install(monkeypatch)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    inv = devices.take_inventory()
+    assert [d.total_bytes for d in inv.of_type("cuda")] == [10 * GIB, 20 * GIB]
+    # CUDA enumerates one MIG instance at most: which of several is unknown before it starts
+    assert {d.device for d in inv.of_type("cuda")} == {"cuda:?"}
+    assert pick_auto(inv)[0] == torch.device("cuda")
+
+
+def test_cuda_order_matches_mig_uuids_bare_once_a_context_exists():
+    assert cuda_order(["GPU-aaaa", "MIG-bbbb"], None, torch_uuids=["bbbb", "aaaa"]) == [1, 0]
+
+
+def mixed(monkeypatch) -> FakeMachine:
+    """An old small GPU first on the bus, a big fast one second: CUDA counts the fast one
+    first unless CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    gpus = [Gpu("Tesla T4", 16 * GIB, used=GIB, capability=(7, 5)), Gpu("NVIDIA H200", 140 * GIB)]
+    return FakeMachine(gpus, cuda_order=[1, 0]).install(monkeypatch)
+
+
+def test_mixed_gpus_without_pci_order_are_listed_with_an_unknown_ordinal(monkeypatch):
+    mixed(monkeypatch)
+    inv = devices.take_inventory()
+    assert [d.device for d in inv.of_type("cuda")] == ["cuda:?", "cuda:?"]
+    dev, why = pick_auto(inv)
+    assert dev == torch.device("cuda") and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in why
+    table = devices.device_table(inv, None).text()
+    assert "which GPU is cuda:N is unknown until CUDA starts" in table
+    assert "unknown until CUDA starts" in resolve("cuda:1", inv)[1]
+
+
+@pytest.mark.parametrize("setting", ["order", "uuids"])
+def test_pci_order_or_uuids_make_the_mapping_trusted(monkeypatch, setting):
+    machine = mixed(monkeypatch)
+    if setting == "order":
+        monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", machine.gpus[1].nvml_uuid)
+    inv = devices.take_inventory()
+    names = [(d.device, d.name) for d in inv.of_type("cuda")]
+    if setting == "order":
+        assert names == [("cuda:0", "Tesla T4"), ("cuda:1", "NVIDIA H200")]
+        assert pick_auto(inv)[0] == torch.device("cuda:1")
+    else:
+        assert names == [("cuda:0", "NVIDIA H200")]
+
+
+def test_a_context_tells_the_order_whatever_the_gpus(monkeypatch):
+    machine = mixed(monkeypatch)
+    machine.start_cuda(0)
+    assert [(d.device, d.name) for d in devices.take_inventory().of_type("cuda")] == [
+        ("cuda:0", "NVIDIA H200"), ("cuda:1", "Tesla T4")
+    ]
+
+
+def test_a_driver_too_old_for_this_torch_is_the_reason_auto_skips_cuda(monkeypatch):
+    FakeMachine([Gpu()], driver_cuda=11080, torch_cuda="12.8").install(monkeypatch)
+    inv = devices.take_inventory()
+    problem = "its driver supports CUDA up to 11.8, this torch needs CUDA 12.8"
+    assert [d.problem for d in inv.of_type("cuda")] == [problem]
+    dev, why = pick_auto(inv)
+    assert dev == torch.device("cpu") and f"cuda:0 not usable: {problem}" in why
+
+
+def test_a_gpu_this_build_has_no_kernels_for_is_skipped_by_auto(monkeypatch):
+    gpus = [Gpu("Tesla K80", used=0, capability=(3, 7)), Gpu("NVIDIA A100", used=70 * GIB)]
+    machine = FakeMachine(gpus).install(monkeypatch)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    inv = devices.take_inventory()
+    assert inv.of_type("cuda")[0].problem.startswith("compute capability 3.7 is not among")
+    assert pick_auto(inv)[0] == torch.device("cuda:1")  # less free, but usable
+    assert "it may not work: compute capability 3.7" in resolve("cuda:0", inv)[1]
+    assert not machine.initialized
+
+
+@pytest.mark.parametrize(("capability", "arches", "runs"), [
+    ((8, 6), ["sm_80"], True),  # a newer minor of the same major runs sm_80 code
+    ((8, 0), ["sm_86"], False),
+    ((9, 0), ["sm_80", "compute_80"], True),  # PTX is compiled for newer GPUs
+    ((12, 0), ["sm_80", "sm_90a"], False),
+    ((9, 0), ["sm_90a"], True),
+    ((7, 0), ["sm_75"], False),
+])
+def test_compute_capability_against_the_arch_list(capability, arches, runs):
+    assert devices._runs_on(capability, arches) is runs
+
+
+def test_without_nvml_cuda_is_listed_by_count_and_cuda_does_not_start(monkeypatch):
+    machine = FakeMachine([Gpu(), Gpu()], nvml=False).install(monkeypatch)
+    inv = devices.take_inventory(probe_cuda_runtime=True)
+    assert [d.device for d in inv.of_type("cuda")] == ["cuda:0", "cuda:1"]
+    assert not machine.initialized
+    assert ("get_device_name", None) not in machine.calls
+    assert resolve("cuda:1", inv)[1] == "cuda:1 (CUDA GPU (named once CUDA starts))"
+
+
+def test_a_broken_driver_without_nvml_is_one_clear_line(ip, monkeypatch):
+    machine = FakeMachine([Gpu()], nvml=False).install(monkeypatch)
+    machine.count_error = RuntimeError("Found no NVIDIA driver on your system.\nPlease check")
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("device", "cuda")
+    assert str(err.value) == (
+        "cuda is not available (cuda: NVML is not available (NVMLError_LibraryNotFound); "
+        "CUDA says: RuntimeError: Found no NVIDIA driver on your system.): "
+        "this machine has cpu, meta"
+    )
+    assert not machine.initialized
+
+
+def test_xpu_is_listed_by_count_until_its_runtime_is_up(monkeypatch):
+    def starts_xpu(i):
+        raise AssertionError("get_device_name initialises XPU")
+
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.xpu, "get_device_name", starts_xpu)
+    assert [(d.device, d.name) for d in devices._xpu_devices()] == [
+        ("xpu:0", "XPU (named once XPU starts)")
+    ]
+
+
+def test_device_cuda_n_becomes_the_current_device_without_starting_cuda(ip, monkeypatch):
+    machine = FakeMachine([Gpu(used=70 * GIB), Gpu(used=GIB)]).install(monkeypatch)
+    ip.run_line_magic("device", "auto")
+    assert ip.user_ns["device"] == torch.device("cuda:1")
+    assert not machine.initialized and machine.contexts == set()
+    machine.start_cuda()  # the first CUDA tensor
+    assert machine.current == 1 and machine.contexts == {1}
+    ip.run_line_magic("device", "cuda:0")  # CUDA runs now: at once
+    assert machine.current == 0
+
+
+@pytest.mark.parametrize("started", [False, True])
+@pytest.mark.parametrize("then", ["reset", "cpu", "cuda", "unload"])
+def test_leaving_cuda_n_puts_back_the_current_device_it_replaced(ip, monkeypatch, started, then):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    if started:
+        machine.start_cuda()
+    ip.run_line_magic("device", "cuda:1")
+    if then == "unload":
+        ip.run_line_magic("unload_ext", "torch_device_magic")
+    else:
+        ip.run_line_magic("device", then)
+    machine.start_cuda()
+    assert machine.current == 0
 
 
 def test_inventory_on_this_machine_lists_the_cpu_with_its_ram():

@@ -74,3 +74,46 @@ def test_a_benchmarks_report_is_kept_and_a_slow_one_is_stopped(tmp_path):
     assert (stopped.ok, stopped.figures, stopped.output) == (False, "timed out", "started\n")
     failed = gpu_check.run_bench(broken, timeout_s=60)
     assert not failed.ok and failed.figures.startswith("exit 1") and "no GPU here" in failed.output
+
+
+def test_help_lists_what_only_a_gpu_confirms():
+    help_text = gpu_check("--help").stdout
+    assert "What only a GPU confirms (issue 12" in help_text
+    for item in ("A1", "A2", "A3", "C3", "D1", "D2", "E "):
+        assert f"\n  {item}" in help_text, item
+
+
+@pytest.mark.parametrize(("cuda", "counts", "ok"), [
+    (True, {"passed": 0, "failed": 0, "skipped": 12}, False),  # all skipped on a GPU
+    (True, {"passed": 0, "failed": 0, "skipped": 0}, False),  # none collected
+    (True, {"passed": 9, "failed": 0, "skipped": 3}, True),
+    (True, {"passed": 9, "failed": 1, "skipped": 0}, False),
+    (False, {"passed": 0, "failed": 0, "skipped": 12}, True),
+    (False, {"passed": 1, "failed": 0, "skipped": 11}, False),
+])
+def test_on_a_cuda_machine_some_cuda_test_must_pass(cuda, counts, ok):
+    rc = 1 if counts["failed"] else (0 if sum(counts.values()) else 5)
+    verdict, figures = load_gpu_check().verdict(rc, counts, 0, cuda)
+    assert verdict is ok
+    assert ("none passed on a CUDA machine" in figures) is (cuda and not counts["passed"])
+
+
+def test_the_demo_the_tests_ran_is_reported_not_run_again(tmp_path, monkeypatch):
+    import nbformat
+    import run_demo
+
+    gpu_check = load_gpu_check()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%device auto", outputs=[
+        nbformat.v4.new_output("stream", name="stdout", text="device = cuda:0 (NVIDIA H200)\n")
+    ])]
+    executed = tmp_path / "executed.ipynb"
+    nbformat.write(nb, executed)
+
+    def run_again(*args, **kwargs):
+        raise AssertionError("the demo ran a second time")
+
+    monkeypatch.setattr(run_demo, "run_demo", run_again)
+    stage = gpu_check.run_notebook(tmp_path / "out", 60, since=0, executed=executed)
+    assert stage.ok and stage.figures == "1 cells, 0 report lines; device = cuda:0 (NVIDIA H200)"
+    assert (tmp_path / "out" / "demo.ipynb").exists()

@@ -20,6 +20,15 @@ def test_devcompare_cpu_cuda_on_a_large_matmul(ip):
     assert cpu.device == "cpu"
     assert gpu.device.startswith("cuda")
     assert gpu.speedup > 1
+    # synchronised: each timed run holds the matmul itself, not only its launch
+    a = ip.user_ns["a"].cuda()
+    a @ a
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ a
+    end.record()
+    end.synchronize()
+    assert gpu.min_s >= 0.5 * start.elapsed_time(end) / 1000
     # float32 sums of 4096 products of N(0, 1) (about 64 in size) differ by rounding only
     assert gpu.max_abs_diff is not None and gpu.max_abs_diff < 1e-2
     assert ip.user_ns["a"].device.type == "cpu"

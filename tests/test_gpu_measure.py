@@ -1,7 +1,10 @@
-"""The report and %%gpumem on a CUDA GPU: synchronised times, exact device peaks, no context."""
+"""The report and %%gpumem on a CUDA GPU: synchronised times, exact device peaks, no context;
+device time on the current stream, allocator backends and a sticky CUDA error."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -63,14 +66,93 @@ def test_transient_gigabyte_is_the_device_peak(ip):
         assert measured.device_peak_bytes == pytest.approx(GiB, rel=0.02)
         assert abs(measured.device_delta_bytes) < 0.02 * GiB
     used = report.result.nvml_used_bytes  # the whole device: context and cache included
-    assert used is None or used >= torch.cuda.memory_reserved()
+    assert used is not None and used >= torch.cuda.memory_reserved()
 
 
-def test_device_time_is_none_for_a_cell_without_device_work(ip):
-    run(ip, "warm = torch.zeros(1, device='cuda')")
-    run(ip, "q = 1 + 1")
-    assert record(ip).device_s is None
-    assert record(ip).device == f"cuda:{torch.cuda.current_device()}"
+def test_an_in_place_cell_keeps_its_device_time(ip):
+    """No allocation at all (`out=`): the device time is still measured."""
+    run(ip, "a = torch.randn(8192, 8192, device='cuda'); b = a @ a")
+    n = int(0.25 / matmul_seconds(ip.user_ns["a"])) + 1
+    run(ip, f"for _ in range({n}):\n    torch.matmul(a, a, out=b)")
+    measured = record(ip)
+    assert measured.device_delta_bytes == 0
+    assert measured.device_s is not None and measured.device_s >= 0.200
+    assert "current stream" in measured.summary()
+
+
+def test_work_on_another_stream_is_said_to_be_outside_the_current_streams_time(ip):
+    run(ip, "a = torch.randn(4096, 4096, device='cuda'); s = torch.cuda.Stream()")
+    run(ip, "with torch.cuda.stream(s):\n    b = a @ a")
+    measured = record(ip)
+    assert measured.device_s is not None
+    assert f"{measured.device} " in measured.summary()
+    assert "current stream," in measured.summary()
+
+
+def in_fresh_process(cells: list[str], **env: str) -> dict:
+    """Run `cells` reported, in a new Python with `env`: every record, and `extra`'s value."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+
+        config = Config()
+        config.HistoryManager.hist_file = ":memory:"
+        ip = InteractiveShell.instance(config=config)
+        ip.run_cell("%load_ext torch_device_magic", store_history=True)
+        for cell in json.loads(sys.argv[1]):
+            ip.run_cell(cell, store_history=True)
+        history = ip.magics_manager.registry["TorchDeviceMagics"].reporter.history
+        records = [dict(r.as_dict(), summary=r.summary()) for r in history]
+        print(json.dumps({"records": records, "extra": ip.user_ns.get("extra")}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(["import torch", *cells])],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cuda_malloc_async_keeps_device_time_and_peaks():
+    ran = in_fresh_process(
+        [
+            "warm = torch.zeros(1, device='cuda')",
+            "t = torch.empty(2**30, dtype=torch.uint8, device='cuda'); del t",
+            "a = torch.randn(4096, 4096, device='cuda'); b = a @ a",
+            "for _ in range(20):\n    torch.matmul(a, a, out=b)",
+            "extra = torch.cuda.get_allocator_backend()",
+        ],
+        PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync",
+    )
+    assert ran["extra"] == "cudaMallocAsync"
+    transient, in_place = ran["records"][2], ran["records"][4]
+    assert transient["device_peak_bytes"] == pytest.approx(GiB, rel=0.05)
+    assert abs(transient["device_delta_bytes"]) < 0.05 * GiB
+    assert in_place["device_s"] is not None and in_place["device_s"] > 0
+
+
+def test_without_memory_caching_the_figures_read_n_a():
+    ran = in_fresh_process(
+        ["warm = torch.zeros(1, device='cuda')", "t = torch.ones(2**28, device='cuda')"],
+        PYTORCH_NO_CUDA_MEMORY_CACHING="1",
+    )
+    last = ran["records"][-1]
+    assert last["device"] == "cuda:0" and last["device_delta_bytes"] is None
+    assert "n/a (peak n/a)" in last["summary"]
+
+
+def test_a_sticky_cuda_error_surfaces_in_the_line_of_the_cell_that_caused_it():
+    ran = in_fresh_process([
+        "a = torch.ones(4, device='cuda')",
+        "b = a[torch.tensor([10], device='cuda')]",  # a device-side assert, raised late
+    ])
+    last = ran["records"][-1]
+    assert last["device_error"] is not None and "CUDA error" in last["device_error"]
+    assert "a CUDA error surfaced at the end of the cell: " in last["summary"]
 
 
 def test_twenty_reported_cells_never_create_a_context():

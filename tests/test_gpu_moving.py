@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from IPython.core.error import UsageError
 
 from torch_device_magic.moving import move, restore
 
@@ -93,3 +94,23 @@ def test_a_weakly_referenced_tensor_moves_in_place_with_data():
     result = move({"t": t}, ["t"], torch.device("cuda"))
     assert ref() is t and t.is_cuda
     assert result.not_followed[0].startswith("t: moved with .data because a weak reference")
+
+
+def test_a_real_out_of_memory_during_a_move_moves_nothing_and_is_one_line(ip):
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - 3 * 2**30, dtype=torch.uint8, device="cuda")  # 3 GiB left
+    a, b = torch.ones(2**29), torch.ones(2**29)  # 2 GiB each: the first fits, not both
+    ip.user_ns.update(a=a, b=b)
+    try:
+        with pytest.raises(UsageError) as err:
+            ip.run_line_magic("device", "cuda --move")
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("Could not move ")
+    assert message.endswith("nothing was moved.")
+    assert ip.user_ns["a"] is a and ip.user_ns["b"] is b
+    assert a.device == b.device == CPU
+    assert "device" not in ip.user_ns  # the session device was not set either

@@ -6,6 +6,7 @@ import weakref
 
 import pytest
 import torch
+from fakegpu import FakeMachine, Gpu
 from IPython.core.error import UsageError
 
 from torch_device_magic import gpufree
@@ -78,3 +79,13 @@ def test_report_without_accelerators_reads_one_line():
 def test_arguments_are_a_usage_error(ip):
     with pytest.raises(UsageError, match="%gpufree: unrecognized arguments: now"):
         ip.run_cell("%gpufree now")
+
+
+def test_on_cuda_it_empties_the_cache_and_collects_ipc_memory_of_used_gpus_only(monkeypatch):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+    machine.allocate(0, GIB, keep=False)
+    report = free_memory()
+    assert ("empty_cache", None) in machine.calls and ("ipc_collect", None) in machine.calls
+    assert list(report.before) == ["cuda:0"]  # cuda:1 has no context: not read, not touched
+    assert machine.contexts == {0}

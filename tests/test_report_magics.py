@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from fakegpu import FakeMachine, Gpu
 from IPython.core.error import UsageError
 from traitlets import TraitError
 
@@ -414,66 +415,48 @@ def test_report_traits_from_ipython_config(tmp_path, setting, status):
     assert not report_lines(out)
 
 
-class FakeAccelerator:
-    """A runtime that is up, whose end-of-cell synchronisation raises `error`."""
-
-    name = "cuda:0"
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-    def counters(self):
-        return probes.Counters(0, 0, 0, 0)
-
-    def start_peak(self):
-        pass
-
-    def record_event(self):
-        return None
-
-    def sampled_peak_bytes(self):
-        return None
-
-    def synchronize(self):
-        raise self.error
+def gpu_machine(shell, monkeypatch) -> FakeMachine:
+    """One fake GPU with a context, then the extension loaded (it reads the kinds at load)."""
+    machine = FakeMachine([Gpu("A")]).install(monkeypatch)
+    machine.start_cuda(0)
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    shell.user_ns["machine"] = machine
+    return machine
 
 
-def with_failing_sync(monkeypatch, error: BaseException) -> None:
-    from torch_device_magic import measure
-
-    monkeypatch.setattr(measure, "active_accelerator", lambda *args: FakeAccelerator(error))
-
-
-def test_a_cuda_error_at_the_end_of_the_cell_is_named(ip, capsys, monkeypatch):
+def test_a_cuda_error_at_the_end_of_the_cell_is_always_said(shell, capsys, monkeypatch):
+    gpu_machine(shell, monkeypatch)
+    run(shell, "%config TorchDeviceMagics.report_min_seconds = 60")  # this cell is not slow
     capsys.readouterr()
-    before = len(history(ip))
-    with_failing_sync(
-        monkeypatch, RuntimeError("CUDA error: an illegal memory access was encountered")
-    )
-    run(ip, "k = 1")
+    run(shell, "machine.sticky = 'an illegal memory access was encountered'")
     out = capsys.readouterr()
     lines = out.out.splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith(
-        "torch_device_magic: a CUDA error surfaced at the end of the cell: "
+    assert lines[0].endswith(
+        "| a CUDA error surfaced at the end of the cell: "
         "RuntimeError: CUDA error: an illegal memory access was encountered"
     )
     assert "Traceback" not in out.out + out.err
-    assert len(history(ip)) == before  # nothing measured is recorded
+    assert history(shell)[-1].device_error.startswith("RuntimeError: CUDA error")
 
 
-def test_ctrl_c_during_the_end_of_cell_sync_is_one_line(ip, capsys, monkeypatch):
-    capsys.readouterr()
-    with_failing_sync(monkeypatch, KeyboardInterrupt())
-    run(ip, "k = 1")
-    out = capsys.readouterr()
+def test_ctrl_c_during_the_end_of_cell_sync_is_one_line(shell, capsys, monkeypatch):
+    gpu_machine(shell, monkeypatch)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(probes.Accelerator, "synchronize", interrupted)
+        capsys.readouterr()
+        run(shell, "k = 1")
+        out = capsys.readouterr()
     assert out.out.splitlines() == [
         "torch_device_magic: interrupted at the end of the cell; not measured"
     ]
     assert "Error in callback" not in out.out + out.err
     assert "Traceback" not in out.out + out.err
-    monkeypatch.undo()
-    run(ip, "k = 2")  # the next cell is measured again
+    run(shell, "k = 2")  # the next cell is measured again
     assert len(report_lines(capsys.readouterr().out)) == 1
 
 

@@ -61,20 +61,25 @@ def _less(before: Counters, after: Counters) -> int | None:
 
 
 def free_memory() -> FreeReport:
-    """Run `gc.collect()`, then empty the cache of every accelerator already in use."""
+    """Run `gc.collect()`, then empty the cache of every accelerator already in use (and,
+    on CUDA, release the memory of tensors shared with other processes that are gone)."""
     accelerators = accelerators_in_use()
     before = {a.name: a.counters() for a in accelerators}
     collected = gc.collect()
     for kind in dict.fromkeys(a.kind for a in accelerators):
-        guarded(getattr(torch, kind).empty_cache)
+        module = getattr(torch, kind)
+        guarded(module.empty_cache)
+        if kind == "cuda":
+            guarded(module.ipc_collect)
     return FreeReport(collected, before, {a.name: a.counters() for a in accelerators})
 
 
 def accelerators_in_use() -> list[Accelerator]:
-    """Every accelerator device whose runtime is already up (asking starts none)."""
+    """Every accelerator device whose runtime is already up and, for CUDA, that has a
+    context (asking starts none, and a GPU never used is not touched)."""
     found = []
     for kind in ACCELERATOR_TYPES:
         if runtime_up(kind):
             count = 1 if kind == "mps" else getattr(torch, kind).device_count()
             found += [active_accelerator(torch.device(kind, i)) for i in range(count)]
-    return [a for a in found if a is not None]
+    return [a for a in found if a is not None and a.has_context()]

@@ -6,7 +6,7 @@
     measure                  value
     -----------------------  ---------------------------------
     wall time                212.4 ms (device synchronised)
-    device time              211.9 ms
+    device time              211.9 ms (current stream)
     allocated                1.2 GiB -> 2.2 GiB (+1.0 GiB)
     ...
 
@@ -31,6 +31,9 @@ from .reports import Table
 from .units import fmt_bytes, fmt_seconds
 
 TENSORS_SHOWN = 5
+_ALLOCATORS = {
+    "uncached": "none (PYTORCH_NO_CUDA_MEMORY_CACHING=1: torch keeps no counts)",
+}
 
 
 @dataclass(slots=True)
@@ -49,6 +52,7 @@ class GpumemReport(Measurement):
     """The `%%gpumem` report: the `Measurement` fields plus NVML and the largest tensors."""
 
     device_description: str | None = None  # 'cuda:0 (NVIDIA H200)'
+    allocator: str | None = None  # CUDA's backend: 'native', 'cudaMallocAsync', 'uncached'
     nvml_used_bytes: int | None = None  # device-wide, all processes and the context
     tensors: list[TensorInfo] = field(default_factory=list)
 
@@ -67,13 +71,20 @@ class GpumemReport(Measurement):
             title = f"%%gpumem {self.device_description or self.device}"
             rows = [
                 ["wall time", f"{fmt_seconds(self.wall_s)} (device synchronised)"],
-                ["device time", fmt_seconds(self.device_s)],
+                # Events on the device's current stream: work on other streams is not in it.
+                ["device time", f"{fmt_seconds(self.device_s)} (current stream)"],
                 ["allocated", self._allocated()],
                 ["peak", f"{fmt_bytes(self.device_peak_bytes)} above the start"],
                 ["reserved (cache)", fmt_bytes(self.device_reserved_delta_bytes, signed=True)],
                 ["device used (NVML)", f"{fmt_bytes(self.nvml_used_bytes)} (all processes)"],
                 ["host RSS", host],
             ]
+            if self.allocator is not None:
+                rows.insert(5, ["allocator", _ALLOCATORS.get(self.allocator, self.allocator)])
+            if self.other_devices is not None:
+                rows.append(["also changed", f"{self.other_devices} (synchronised, not shown)"])
+            if self.device_error is not None:
+                rows.append(["error at the end", self.device_error])
         out = [Table(title, ["measure", "value"], rows)]
         if self.tensors:
             out.append(
@@ -136,6 +147,7 @@ def measure(
     report = GpumemReport(
         **measured.as_dict(),
         device_description=None if accel is None else accel.description(),
+        allocator=None if accel is None else accel.allocator(),
         nvml_used_bytes=nvml_used_bytes(accel),
         tensors=new_tensors(shell.user_ns, before),
     )

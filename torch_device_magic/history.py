@@ -67,7 +67,28 @@ class History:
         ]
         title = f"per-cell history: {plural(len(rows), 'cell')} (the last {self.maxlen} are kept)"
         notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
+        peaks = self.session_peaks()
+        if peaks:
+            notes.append(
+                "session peak allocated (max over the kept cells; the report resets torch's "
+                "process-wide peak before each cell): "
+                + ", ".join(f"{d} {fmt_bytes(b)} in cell {c}" for d, (b, c) in peaks.items())
+            )
         return Table(title, HEADERS, rows, notes)
+
+    def session_peaks(self) -> dict[str, tuple[int, int | None]]:
+        """`{device: (bytes, cell)}`: the most allocated at any moment of a kept cell, what
+        `torch.cuda.max_memory_allocated()` would say had the report not reset it."""
+        peaks: dict[str, tuple[int, int | None]] = {}
+        for r in self._records:
+            if None in (r.device, r.device_peak_bytes, r.device_allocated_bytes,
+                        r.device_delta_bytes):
+                continue
+            start = r.device_allocated_bytes - r.device_delta_bytes
+            most = start + r.device_peak_bytes
+            if r.device not in peaks or most > peaks[r.device][0]:
+                peaks[r.device] = (most, r.cell)
+        return peaks
 
     def write_csv(self, path: str) -> int:
         """Write every kept record to `path` (raw numbers, empty where not measured; `~` is

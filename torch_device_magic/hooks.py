@@ -21,10 +21,10 @@ In the terminal, what the cell writes to `sys.stdout` is watched (its `write`
 wrapped for the cell, as IPython 9 does to keep outputs) so that the line starts
 on a line of its own after `print("x", end="")`.
 A fault in a probe reads `n/a` in the line; a fault anywhere else is one line
-saying so, never a traceback in the user's cell. An error raised by the
+saying so, never a traceback in the user's cell. An error that surfaces at the
 end-of-cell synchronisation (a CUDA error from the cell's own kernels, which run
-asynchronously) is named as such, and Ctrl-C there is one line, not IPython's
-"Error in callback" traceback.
+asynchronously) is kept in the record and always shown, whatever the
+thresholds; Ctrl-C there is one line, not IPython's "Error in callback" traceback.
 
 After a cell that raised, the hint (`hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
@@ -176,7 +176,7 @@ class CellReporter:
             except KeyboardInterrupt:  # Ctrl-C while waiting for the device
                 self._fault = "torch_device_magic: interrupted at the end of the cell; not measured"
             except Exception as err:
-                self._fault = _end_of_cell_fault(err)
+                self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
             self._show_hint(result)
         if not outermost or info is None or result.error_before_exec is not None:
@@ -208,8 +208,8 @@ class CellReporter:
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""
-        if not self.min_seconds and not self.min_bytes:
-            return True
+        if record.device_error is not None or (not self.min_seconds and not self.min_bytes):
+            return True  # an error the cell's kernels raised is always said
         return bool(
             (self.min_seconds and record.wall_s >= self.min_seconds)
             or (self.min_bytes and record.largest_bytes() >= self.min_bytes)
@@ -313,17 +313,6 @@ def publish(publisher: Any, bundle: dict[str, str]) -> None:
             session.send(socket, msg, ident=topic)
 
     io_thread.schedule(flush_then_send)
-
-
-def _end_of_cell_fault(err: BaseException) -> str:
-    """What the line says when stopping the measurement raised `err`."""
-    if "CUDA error" in str(err):  # the synchronisation surfaced an error of the cell's kernels
-        return (
-            f"torch_device_magic: a CUDA error surfaced at the end of the cell: {_describe(err)} "
-            "(kernels run asynchronously: the cell's own code caused it, and CUDA may be "
-            "unusable until the kernel restarts)"
-        )
-    return f"torch_device_magic could not measure: {_describe(err)}"
 
 
 def _describe(err: BaseException) -> str:

@@ -8,6 +8,7 @@ returns what it got. A `DeviceMagicError` from below becomes IPython's own
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -124,6 +125,7 @@ class TorchDeviceMagics(Magics):
         self._bound: torch.device | None = None  # what `device` was bound to, by us
         self._bind_only = False  # `%device DEV --no-default`: torch's default left alone
         self._default = DefaultDevice()
+        self._cuda_current_before: int | None = None  # CUDA's current device before %device
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._default_at_load = torch_default_device()
         self._grad_before_nograd: bool | None = None
@@ -190,6 +192,8 @@ class TorchDeviceMagics(Magics):
         self.reporter.unregister(self.shell)
         self.reporter.set_hint(self.shell, None)
         self._default.release()  # ours only; forked children are left alone from now on
+        with contextlib.suppress(DeviceMagicError):  # unloading goes on regardless
+            self._follow_current(None)
         if self.session_device is not None:
             self.session_device = None
             if self.shell.user_ns.get("device") is self._bound:  # not rebound by the user
@@ -234,9 +238,17 @@ class TorchDeviceMagics(Magics):
         the README); forked DataLoader workers start without it. A default
         set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
-        a CUDA context) and marks the session device with `*`. `--move` also
-        moves every tensor, model and optimizer in the namespace there, all or
-        nothing, as `%%ondevice --all` does (`%device reset --move` to the CPU).
+        a CUDA context; MIG instances with their own memory) and marks the
+        session device with `*`. `auto` takes the usable GPU with the most free
+        memory: a GPU this torch cannot run on (driver too old, compute
+        capability not built for) is listed with the reason and skipped. Before
+        a CUDA context exists, differing GPUs are listed as `cuda:?` unless
+        CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA counts fastest first, NVML in PCI
+        order), and `auto` then takes `cuda`. A chosen `cuda:N` also becomes
+        CUDA's current device (queued until CUDA starts; nothing starts now).
+        `--move` also moves every tensor, model and optimizer in the namespace
+        there, all or nothing, as `%%ondevice --all` does (`%device reset --move`
+        to the CPU).
         """
         args = parse(self.device, line)
         if args.spec is None:
@@ -248,12 +260,24 @@ class TorchDeviceMagics(Magics):
             dev, why = None, "cpu (torch's default device restored)"
         else:
             dev, why = self._resolve(args.spec)
-        if args.move:
+        if args.move:  # first: a move that fails changes nothing, the current device neither
             moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
+        self._follow_current(dev)
         self.set_session_device(dev, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
             display(moved.table())
+
+    def _follow_current(self, dev: torch.device | None) -> None:
+        """A chosen `cuda:N` also becomes CUDA's current device (so that work and figures
+        without an index go there); any other choice puts back the one it replaced."""
+        if dev is not None and dev.type == "cuda" and dev.index is not None:
+            before = devices.make_current(dev.index)
+            if self._cuda_current_before is None:
+                self._cuda_current_before = before
+        elif self._cuda_current_before is not None:
+            devices.make_current(self._cuda_current_before)
+            self._cuda_current_before = None
 
     def _resolve(self, spec: str) -> tuple[torch.device, str]:
         """The device `spec` names on this machine, and the line that says what it is."""
@@ -606,7 +630,9 @@ class TorchDeviceMagics(Magics):
         wrote 12 records to cells.csv
 
         Records carry the `%%gpumem -o` fields plus `cell`; the last 1000
-        measured cells are kept. `--plot` needs matplotlib.
+        measured cells are kept. Under the table: the session peak per device
+        (the most allocated in any kept cell), since the report resets torch's
+        process-wide peak counter before each cell. `--plot` needs matplotlib.
         """
         args = parse(self.devhistory, line)
         history = self.reporter.history

@@ -25,6 +25,7 @@ from .probes import (
     active_accelerator,
     built_kinds,
     clock,
+    devices_in_use,
     host_probe,
 )
 from .units import fmt_bytes, fmt_seconds
@@ -44,6 +45,8 @@ class Measurement:
     device: str | None = None  # the accelerator measured ('cuda:0'); None without one
     device_allocated_bytes: int | None = None  # allocated at the end
     cell: int | None = None  # the cell number, in the per-cell history
+    other_devices: str | None = None  # 'cuda:1 cuda:2': also changed, synchronised, not shown
+    device_error: str | None = None  # an accelerator error that surfaced at the end-of-cell sync
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -74,12 +77,18 @@ class Measurement:
             )
         if self.device is None:
             return f"time {fmt_seconds(self.wall_s)} | {host}"
-        gpu_time = "" if self.device_s is None else f" {fmt_seconds(self.device_s)},"
-        return (
-            f"time {fmt_seconds(self.wall_s)} | {self.device}{gpu_time}"
+        # Events time the device's current stream only: work on other streams is not in it.
+        gpu_time = "" if self.device_s is None else f" {fmt_seconds(self.device_s)} current stream,"
+        others = "" if self.other_devices is None else f" (also used: {self.other_devices})"
+        line = (
+            f"time {fmt_seconds(self.wall_s)} | {self.device}{others}{gpu_time}"
             f" {fmt_bytes(self.device_delta_bytes, signed=True)}"
             f" (peak {fmt_bytes(self.device_peak_bytes)}) | {host}"
         )
+        if self.device_error is not None:
+            kind = self.device.split(":")[0].upper()
+            line += f" | a {kind} error surfaced at the end of the cell: {self.device_error}"
+        return line
 
     def __str__(self) -> str:
         return self.summary()
@@ -97,60 +106,88 @@ def _sub(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
 
 
+_NOTHING = Counters(0, 0, 0, 0)  # a device without a context has allocated nothing
+
+
+def _changed(before: Counters, after: Counters) -> bool:
+    """Whether the allocator moved: bytes or requests, or a peak above the start."""
+    return (
+        (after.allocated_bytes, after.reserved_bytes, after.allocations)
+        != (before.allocated_bytes, before.reserved_bytes, before.allocations)
+    ) or (_sub(after.peak_bytes, before.allocated_bytes) or 0) > 0
+
+
 class Meter:
-    """Measures one stretch of code at a time: `start()` before it, `stop()` after."""
+    """Measures one stretch of code at a time: `start()` before it, `stop()` after.
+
+    Every device of the measured kind that work may have run on (for CUDA: each
+    with a context; one never used is not touched, so gets no context) is watched
+    and synchronised before the clock stops, so in-place work on another GPU
+    counts too. The figures are those of the session's device (`start`'s
+    `device`, else the torch default, else the current device) unless only
+    another device's allocator changed; the others that changed are named in
+    `other_devices`.
+    """
 
     def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:
         self.host = host if host is not None else host_probe()
         self.sync = sync
         self._kinds = built_kinds()
         self._device: str | torch.device | None = None
-        self._accel: Accelerator | None = None
-        self._before: Counters | None = None
-        self._event: Any = None
+        self._before: dict[str, Counters] = {}
+        self._events: dict[str, Any] = {}
         self._t0 = clock()
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
         self._device = device
-        self._accel = accel = active_accelerator(device, self._kinds)
-        self._before = self._event = None
-        if accel is not None:
-            self._before = accel.counters()
+        main = active_accelerator(device, self._kinds)
+        watched = [] if main is None else devices_in_use(main)
+        self._before = {a.name: a.counters() for a in watched}
+        for accel in watched:
             accel.start_peak()
-            self._event = accel.record_event()
+        self._events = {a.name: a.record_event() for a in watched if a.has_context()}
         self.host.start()
         self._t0 = clock()
 
     def stop(self) -> Measurement:
-        """End measuring: synchronise if a runtime is up (and `sync`), read every counter."""
-        accel = self._accel or active_accelerator(self._device, self._kinds)
-        end_event = None
-        if accel is not None and self.sync:
-            end_event = accel.record_event() if self._event is not None else None
-            accel.synchronize()
+        """End measuring: synchronise what the cell used (if `sync`), read every counter.
+
+        An error the synchronise raised (a sticky CUDA error from the cell's kernels)
+        is kept in `device_error`, never dropped.
+        """
+        main = active_accelerator(self._device, self._kinds)
+        watched = [] if main is None else devices_in_use(main)
+        ends, error = {}, None
+        if self.sync:  # without it the end events are not done, so there is no device time
+            ends = {a.name: a.record_event() for a in watched if self._events.get(a.name)}
+            for accel in watched:  # a device with a context: waiting on it creates none
+                if accel.has_context():
+                    error = accel.synchronize() or error
         wall_s = clock() - self._t0
         host_delta, host_peak = self.host.stop()
-        if accel is None:
+        if main is None:
             return Measurement(wall_s, host_delta_bytes=host_delta, host_peak_bytes=host_peak)
-        after = accel.counters()
-        if self._before is None:  # the runtime came up inside the cell: nothing was allocated
-            before, peak = Counters(0, 0, 0, 0), after.peak_bytes
-        else:
-            before = self._before
-            sampled = accel.sampled_peak_bytes()
-            peak = _sub(after.peak_bytes, before.allocated_bytes) if sampled is None else sampled
-        work_ran = after.allocations is None or after.allocations != before.allocations
+        after = {a.name: a.counters() for a in watched}
+        before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
+        used = [a for a in watched if _changed(before[a.name], after[a.name])]
+        shown = main if main in used or not used else used[0]
+        others = " ".join(a.name for a in used if a is not shown) or None
+        old, new = before[shown.name], after[shown.name]
+        sampled = shown.sampled_peak_bytes()
+        peak = _sub(new.peak_bytes, old.allocated_bytes) if sampled is None else sampled
         return Measurement(
             wall_s,
-            device_s=Accelerator.elapsed_s(self._event, end_event) if work_ran else None,
-            device_delta_bytes=_sub(after.allocated_bytes, before.allocated_bytes),
+            device_s=Accelerator.elapsed_s(self._events.get(shown.name), ends.get(shown.name)),
+            device_delta_bytes=_sub(new.allocated_bytes, old.allocated_bytes),
             device_peak_bytes=None if peak is None else max(0, peak),
-            device_reserved_delta_bytes=_sub(after.reserved_bytes, before.reserved_bytes),
+            device_reserved_delta_bytes=_sub(new.reserved_bytes, old.reserved_bytes),
             host_delta_bytes=host_delta,
             host_peak_bytes=host_peak,
-            device=accel.name,
-            device_allocated_bytes=after.allocated_bytes,
+            device=shown.name,
+            device_allocated_bytes=new.allocated_bytes,
+            other_devices=others,
+            device_error=error,
         )
 
     def close(self) -> None:

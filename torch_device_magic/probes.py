@@ -31,7 +31,7 @@ try:
 except ImportError:  # Windows: no /proc either, so the sampling thread measures
     resource = None
 
-from .devices import torch_default_device
+from .devices import first_line, nvml, nvml_handle, torch_default_device
 
 clock = time.perf_counter
 """The wall clock every measurement uses (monotonic, sub-microsecond)."""
@@ -282,13 +282,34 @@ class Accelerator:
                 guarded(self._module.driver_allocated_memory),
                 None,
             )
+        if self.kind == "cuda" and caching_off():
+            return Counters(None, None, None, None)  # the allocator keeps no counts: n/a, not 0
+        if not self.has_context():  # nothing allocated; and cudaMallocAsync would make one
+            return Counters(0, 0, 0, 0)
         stats = guarded(self._memory_stats) or {}
         return Counters(
             stats.get("allocated_bytes.all.current"),
             stats.get("allocated_bytes.all.peak"),
             stats.get("reserved_bytes.all.current"),
+            # cudaMallocAsync fills only the byte counters: this one stays 0 there
             stats.get("allocation.all.allocated"),
         )
+
+    def allocator(self) -> str | None:
+        """The CUDA allocator backend: 'native', 'cudaMallocAsync', or 'uncached'."""
+        if self.kind != "cuda":
+            return None
+        if caching_off():
+            return "uncached"
+        return guarded(self._module.get_allocator_backend)
+
+    def has_context(self) -> bool:
+        """Whether work can have run here already: for CUDA, whether this device has a
+        primary context (asked without creating one); other kinds have no such state."""
+        if self.kind != "cuda":
+            return True
+        has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        return True if has is None else guarded(has, self.index) is True
 
     def _memory_stats(self) -> dict:
         generic = getattr(torch, "accelerator", None)
@@ -300,6 +321,8 @@ class Accelerator:
         """Start the peak window: reset the process-wide peak counter (or sample, on MPS)."""
         if self._mps_peak is not None:
             self._mps_peak.start()
+            return
+        if not self.has_context():  # no peak to reset; cudaMallocAsync's reset would make one
             return
         generic = getattr(torch, "accelerator", None)
         if hasattr(generic, "reset_peak_memory_stats") and _current_kind(generic) == self.kind:
@@ -313,19 +336,35 @@ class Accelerator:
             return None
         return self._mps_peak.stop()[1]
 
-    def synchronize(self) -> None:
-        """Wait for the device's queued work (so that a clock read after it is honest)."""
-        if self.kind == "mps":
-            guarded(self._module.synchronize)
-        else:
-            guarded(self._module.synchronize, self.index)
+    def synchronize(self) -> str | None:
+        """Wait for the device's queued work (so that a clock read after it is honest).
+
+        Returns None, or the error the wait raised: a CUDA error from an earlier
+        kernel (an illegal address, a device-side assert) surfaces here, and it is
+        sticky, so the caller must say so rather than swallow it.
+        """
+        try:
+            if self.kind == "mps":
+                self._module.synchronize()
+            else:
+                self._module.synchronize(self.index)
+        except Exception as err:
+            return first_line(err)
+        return None
 
     def record_event(self) -> Any:
-        """A timing event recorded now on the current stream, or None."""
+        """A timing event recorded now on this device's current stream, or None.
+
+        Not the current device's stream: after `%device cuda:1` the events must go
+        where the work goes (and must not start a context on cuda:0).
+        """
 
         def record() -> Any:
             event = self._module.Event(enable_timing=True)
-            event.record()
+            if self.kind == "mps":  # one queue, no stream objects
+                event.record()
+            else:
+                event.record(self._module.current_stream(self.index))
             return event
 
         return guarded(record)
@@ -374,6 +413,24 @@ def active_accelerator(
         return None
 
 
+def devices_in_use(main: Accelerator) -> list[Accelerator]:
+    """`main`, then every other device of its kind that work may have run on: for CUDA,
+    each device with a primary context (asking creates none)."""
+    found = [main]
+    if main.kind == "cuda":
+        count = guarded(torch.cuda.device_count) or 0
+        others = (_accelerator("cuda", i) for i in range(count) if i != main.index)
+        found += [a for a in others if a.has_context()]
+    return found
+
+
+def caching_off() -> bool:
+    """Whether PYTORCH_NO_CUDA_MEMORY_CACHING switched the CUDA caching allocator off
+    (its counters then stay 0, so they are not read)."""
+    value = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
 def _current_kind(generic: Any) -> str | None:
     current = generic.current_accelerator()
     return None if current is None else current.type
@@ -393,26 +450,14 @@ def _index(dev: torch.device) -> int:
 # --- NVML -----------------------------------------------------------------------
 
 
-@cache
-def _nvml() -> Any:
-    """The initialised pynvml module (from nvidia-ml-py), or None without a driver."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    return pynvml
-
-
 def nvml_used_bytes(accel: Accelerator | None) -> int | None:
-    """Memory used on the whole device per NVML (context, other processes included)."""
+    """Memory used on the whole device per NVML (context, other processes included);
+    on a MIG instance, the instance's own memory."""
     if accel is None or accel.kind != "cuda":
         return None
     uuid = guarded(lambda: str(torch.cuda.get_device_properties(accel.index).uuid))
-    nvml = _nvml()
-    if uuid is None or nvml is None:
+    module = nvml()
+    if uuid is None or module is None:
         return None
-    if not uuid.startswith(("GPU-", "MIG-")):
-        uuid = f"GPU-{uuid}"  # NVML's spelling; torch prints the bare UUID
-    return guarded(lambda: nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(uuid)).used)
+    handle = nvml_handle(module, uuid)
+    return None if handle is None else guarded(lambda: module.nvmlDeviceGetMemoryInfo(handle).used)

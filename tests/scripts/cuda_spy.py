@@ -1,19 +1,27 @@
-"""Load the extension and run a few cells with every torch.cuda function spied on.
+"""Load the extension and run cells with every torch.cuda function spied on.
+
+    python cuda_spy.py [--cuda] [ALLOWED_FUNCTION ...]
 
 Prints a JSON object: the torch.cuda functions that this package called (torch's
 own internals, such as an import of torch._inductor under the meta device, are
-not ours), and whether CUDA ended up initialised. Run in a fresh process so that
+not ours), whether CUDA ended up initialised, and whether a forked child is
+clean: torch's fork handler did not mark it as a bad fork, and (with `--cuda`)
+it can start CUDA itself, which it cannot once the parent initialised the
+driver. `--cuda` adds `%device cuda` and `%device auto` on a GPU, then twenty
+reported cells under CUDA as the default device. Run in a fresh process so that
 nothing imported earlier hides a call.
 """
 
 import json
+import os
 import sys
 import types
 
 import torch
 
 CALLS: list[str] = []
-ALLOWED = set(sys.argv[1:])  # functions a test lets through (read-only flags)
+CUDA = "--cuda" in sys.argv
+ALLOWED = {a for a in sys.argv[1:] if a != "--cuda"}  # what a test lets through
 
 
 def spy(name, fn):
@@ -50,12 +58,32 @@ for cell in [
     "%gpufree",
     "%reload_ext torch_device_magic",
     "z = x + 1",
+    *(["%device auto", "%device cuda", "%device", "%gpufree", "%tensors"] if CUDA else []),
+    # reported cells; under `%device cuda` only a factory call would start CUDA
+    *[f"z = x * {i}" if i % 2 else "s = sum(range(10))" for i in range(20)],
     "%unload_ext torch_device_magic",
 ]:
     result = ip.run_cell(cell, store_history=True)
     if not result.success:
         sys.exit(f"cell failed: {cell!r}: {result.error_in_exec or result.error_before_exec}")
+
+
+def forked_child_is_clean() -> bool:
+    """A forked child is not a 'bad fork' to torch and, on a GPU, can start CUDA."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = not torch.cuda._is_in_bad_fork()
+            if ok and CUDA:
+                ok = torch.ones(1, device="cuda").item() == 1.0
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
 print(json.dumps({
     "calls": [c for c in CALLS if c not in ALLOWED],
     "initialized": torch.cuda.is_initialized(),
+    "fork_clean": forked_child_is_clean(),
 }))

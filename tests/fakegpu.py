@@ -1,0 +1,308 @@
+"""A fake CUDA machine at the probe boundary: what torch.cuda and NVML would answer.
+
+    machine = FakeMachine([Gpu("A100"), Gpu("H200")]).install(monkeypatch)
+    machine.start_cuda()            # as a first CUDA tensor would
+    machine.allocate(1, 2**30)      # cuda:1's allocator grows by 1 GiB
+
+It models several GPUs (NVML lists them in PCI order; `cuda_order` is CUDA's
+numbering), MIG instances, an allocator backend, a busy GPU, a handle NVML
+refuses, a sticky CUDA error, and, above all, where contexts exist: anything
+that would create a context on a device (an event recorded on its stream, a
+synchronise, set_device, memory_stats before CUDA started) is recorded in
+`contexts`, so that a test can say which GPUs were touched. Only what
+torch_device_magic calls is modelled; `calls` lists them in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torch_device_magic import devices, probes
+
+GIB = 2**30
+
+
+class NVMLError(Exception):
+    """pynvml's base error; subclasses are named NVMLError_<Reason> as in nvidia-ml-py."""
+
+
+def nvml_error(reason: str) -> type[NVMLError]:
+    return type(f"NVMLError_{reason}", (NVMLError,), {})
+
+
+NoPermission, GpuIsLost, NotFound, NotSupported, LibraryNotFound = (
+    nvml_error(r) for r in ("NoPermission", "GpuIsLost", "NotFound", "NotSupported",
+                            "LibraryNotFound")
+)
+_serial = itertools.count(1)
+
+
+@dataclass
+class Gpu:
+    """One GPU as NVML sees it (or one MIG instance of a GPU)."""
+
+    name: str = "NVIDIA A100-SXM4-80GB"
+    total: int = 80 * GIB
+    used: int = 1 * GIB  # NVML's used: other processes, contexts
+    capability: tuple[int, int] = (8, 0)
+    migs: list[Gpu] = field(default_factory=list)  # instances: MIG mode is on when any
+    fail: type[NVMLError] | None = None  # NVML refuses this GPU's handle with this error
+    uuid: str = field(default_factory=lambda: str(uuidlib.UUID(int=next(_serial))))
+    mig: bool = False  # this is a MIG instance
+
+    @property
+    def nvml_uuid(self) -> str:
+        return f"{'MIG' if self.mig else 'GPU'}-{self.uuid}"
+
+
+def mig(name: str = "NVIDIA A100 MIG 1g.10gb", total: int = 10 * GIB) -> Gpu:
+    return Gpu(name, total, used=0, mig=True)
+
+
+class FakeEvent:
+    """torch.cuda.Event: remembers the stream it was recorded on and a fake clock."""
+
+    def __init__(self, machine: FakeMachine, enable_timing: bool = False) -> None:
+        self.machine, self.device, self.at_ms = machine, None, None
+
+    def record(self, stream: Any = None) -> None:
+        m = self.machine
+        device = m.current if stream is None else stream.device_index
+        m.context(device, "Event.record")
+        self.device, self.at_ms = device, m.clock_ms[device]
+        m.calls.append(("Event.record", device))
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if self.device != end.device:
+            raise RuntimeError("Both events must be recorded on the same device")
+        if self.machine.sticky is not None:
+            raise RuntimeError(self.machine.sticky)
+        return end.at_ms - self.at_ms
+
+
+class FakeMachine:
+    """What torch.cuda and pynvml answer on a made-up machine; see the module docstring."""
+
+    def __init__(
+        self,
+        gpus: list[Gpu],
+        cuda_order: list[int] | None = None,
+        driver_cuda: int = 12080,
+        torch_cuda: str = "12.8",
+        arch_flags: str = "sm_75 sm_80 sm_86 sm_90 compute_90",
+        backend: str = "native",
+        nvml: bool = True,
+    ) -> None:
+        self.gpus = gpus  # NVML (PCI) order
+        visible = [m for g in gpus for m in (g.migs or [g])]
+        self.cuda = [visible[i] for i in (cuda_order or range(len(visible)))]
+        self.driver_cuda, self.torch_cuda, self.arch_flags = driver_cuda, torch_cuda, arch_flags
+        self.backend = backend
+        self.initialized = False
+        self.contexts: set[int] = set()
+        self.current = 0
+        self.lazy: list[Any] = []
+        self.calls: list[tuple[str, Any]] = []
+        self.nvml_inits = 0
+        self.nvml_init_error: type[Exception] | None = None if nvml else LibraryNotFound
+        self.count_error: Exception | None = None
+        self.sticky: str | None = None
+        n = len(self.cuda)
+        self.clock_ms = [0.0] * n
+        self.stats = [{"allocated": 0, "peak": 0, "reserved": 0, "count": 0} for _ in range(n)]
+
+    # --- what a test does to the machine ---------------------------------------------
+
+    def start_cuda(self, device: int | None = None) -> None:
+        """CUDA starts, as for a first CUDA tensor: the queued calls run, a context appears."""
+        if not self.initialized:
+            self.initialized = True
+            for call in self.lazy:
+                call()
+            self.lazy.clear()
+        self.context(self.current if device is None else device, "tensor")
+
+    def allocate(self, device: int, n_bytes: int, keep: bool = True) -> None:
+        """A tensor on `device` made (and, unless `keep`, freed again)."""
+        self.context(device, "tensor")
+        s = self.stats[device]
+        s["allocated"] += n_bytes
+        s["peak"] = max(s["peak"], s["allocated"])
+        s["reserved"] = max(s["reserved"], s["allocated"])
+        s["count"] += 1
+        if not keep:
+            s["allocated"] -= n_bytes
+
+    def run(self, device: int, ms: float) -> None:
+        """Kernels on `device`'s current stream that take `ms` milliseconds."""
+        self.context(device, "kernel")
+        self.clock_ms[device] += ms
+
+    def context(self, device: int, why: str) -> None:
+        if not self.initialized:
+            raise AssertionError(f"{why} on cuda:{device} would initialise CUDA")
+        self.contexts.add(device)
+
+    # --- torch.cuda ----------------------------------------------------------------------
+
+    def _init(self, what: str) -> None:
+        self.calls.append((what, None))
+        if not self.initialized:
+            self.start_cuda()
+
+    def device_count(self) -> int:
+        self.calls.append(("device_count", None))
+        if self.count_error is not None:
+            raise self.count_error
+        return len(self.cuda)
+
+    def get_device_name(self, i: int) -> str:
+        self._init("get_device_name")
+        return self.cuda[i].name
+
+    def get_device_properties(self, i: int) -> Any:
+        self._init("get_device_properties")
+        g = self.cuda[i]
+        return types.SimpleNamespace(name=g.name, uuid=g.uuid, total_memory=g.total,
+                                     major=g.capability[0], minor=g.capability[1])
+
+    def memory_stats(self, i: int) -> dict[str, int]:
+        self.calls.append(("memory_stats", i))
+        if not self.initialized:
+            return {}
+        s = self.stats[i]
+        out = {
+            "allocated_bytes.all.current": s["allocated"],
+            "allocated_bytes.all.peak": s["peak"],
+            "reserved_bytes.all.current": s["reserved"],
+            "allocation.all.allocated": s["count"],
+        }
+        if self.backend == "cudaMallocAsync":
+            out["allocation.all.allocated"] = 0  # only the byte counters are filled there
+        return out
+
+    def reset_peak_memory_stats(self, i: int) -> None:
+        self.calls.append(("reset_peak_memory_stats", i))
+        self.stats[i]["peak"] = self.stats[i]["allocated"]
+
+    def synchronize(self, i: int | None = None) -> None:
+        device = self.current if i is None else i
+        self.calls.append(("synchronize", device))
+        self.context(device, "synchronize")
+        if self.sticky is not None:
+            raise RuntimeError(f"CUDA error: {self.sticky}\nCUDA kernel errors might be ...")
+
+    def current_stream(self, i: int | None = None) -> Any:
+        return types.SimpleNamespace(device_index=self.current if i is None else i)
+
+    def current_device(self) -> int:
+        self._init("current_device")
+        return self.current
+
+    def set_device(self, i: int) -> None:
+        self._init("set_device")
+        self.current = i
+        self.context(i, "set_device")  # cudaSetDevice makes a context on CUDA 12
+
+    def lazy_call(self, fn: Any, **kwargs: Any) -> None:
+        if self.initialized:
+            fn()
+        else:
+            self.lazy.append(fn)
+
+    def has_primary_context(self, i: int) -> bool:
+        return i in self.contexts
+
+    # --- pynvml ----------------------------------------------------------------------------
+
+    def pynvml(self) -> types.ModuleType:
+        mod = types.ModuleType("pynvml")
+        by_uuid = {m.nvml_uuid: m for g in self.gpus for m in [g, *g.migs]}
+
+        def init() -> None:
+            self.nvml_inits += 1
+            if self.nvml_init_error is not None:
+                raise self.nvml_init_error()
+
+        def handle_by_index(i: int) -> Gpu:
+            gpu = self.gpus[i]
+            if gpu.fail is not None:
+                raise gpu.fail()
+            return gpu
+
+        def mig_handle(gpu: Gpu, j: int) -> Gpu:
+            if j >= len(gpu.migs):
+                raise NotFound()
+            return gpu.migs[j]
+
+        def utilization(gpu: Gpu) -> Any:
+            if gpu.mig:
+                raise NotSupported()
+            return types.SimpleNamespace(gpu=round(100 * gpu.used / gpu.total))
+
+        def mig_mode(gpu: Gpu) -> tuple[int, int]:
+            if gpu.mig or gpu.capability < (8, 0):
+                raise NotSupported()
+            return (1, 1) if gpu.migs else (0, 0)
+
+        def compute_capability(gpu: Gpu) -> tuple[int, int]:
+            if gpu.mig:
+                raise NotSupported()
+            return gpu.capability
+
+        mod.NVMLError = NVMLError
+        mod.nvmlInit = init
+        mod.nvmlShutdown = lambda: None
+        mod.nvmlDeviceGetCount = lambda: len(self.gpus)
+        mod.nvmlDeviceGetHandleByIndex = handle_by_index
+        mod.nvmlDeviceGetHandleByUUID = by_uuid.__getitem__
+        mod.nvmlDeviceGetUUID = lambda g: g.nvml_uuid.encode()
+        mod.nvmlDeviceGetName = lambda g: g.name
+        mod.nvmlDeviceGetMemoryInfo = lambda g: types.SimpleNamespace(
+            total=g.total, used=g.used, free=g.total - g.used)
+        mod.nvmlDeviceGetUtilizationRates = utilization
+        mod.nvmlDeviceGetMigMode = mig_mode
+        mod.nvmlDeviceGetMaxMigDeviceCount = lambda g: 7
+        mod.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle
+        mod.nvmlSystemGetCudaDriverVersion = lambda: self.driver_cuda
+        mod.nvmlDeviceGetCudaComputeCapability = compute_capability
+        return mod
+
+    # --- installing it ---------------------------------------------------------------------
+
+    def install(self, monkeypatch: Any) -> FakeMachine:
+        """Put this machine behind torch.cuda, torch.version and pynvml for one test."""
+        cuda = torch.cuda
+        for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PYTORCH_NO_CUDA_MEMORY_CACHING"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(torch.version, "cuda", self.torch_cuda)
+        monkeypatch.setattr(torch.version, "hip", None)
+        for name in ("device_count", "get_device_name", "get_device_properties",
+                     "memory_stats", "reset_peak_memory_stats", "synchronize",
+                     "current_stream", "current_device", "set_device"):
+            monkeypatch.setattr(cuda, name, getattr(self, name))
+        monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialized)
+        monkeypatch.setattr(cuda, "_lazy_call", self.lazy_call)
+        monkeypatch.setattr(cuda, "Event", lambda enable_timing=False: FakeEvent(self))
+        monkeypatch.setattr(cuda, "get_allocator_backend", lambda: self.backend)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: self.calls.append(("empty_cache", None)))
+        monkeypatch.setattr(cuda, "ipc_collect", lambda: self.calls.append(("ipc_collect", None)))
+        monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", self.has_primary_context,
+                            raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: self.arch_flags,
+                            raising=False)
+        # torch.accelerator must not answer for a real device under the fake one
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None,
+                            raising=False)
+        monkeypatch.setitem(sys.modules, "pynvml", self.pynvml())
+        monkeypatch.setattr(devices, "_nvml_module", None, raising=False)
+        monkeypatch.setattr(devices, "_mps_available", lambda: False)
+        monkeypatch.setattr(probes, "_MPS_BUILT", False)
+        return self

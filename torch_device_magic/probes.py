@@ -236,7 +236,17 @@ def built_kinds() -> tuple[str, ...]:
         "xpu": getattr(torch.version, "xpu", None) is not None,
         "mps": _MPS_BUILT,
     }
-    return tuple(kind for kind in ACCELERATOR_TYPES if built[kind])
+    private = _private_backend()
+    return tuple(kind for kind in ACCELERATOR_TYPES if built[kind]) + (
+        (private,) if private else ()
+    )
+
+
+def _private_backend() -> str | None:
+    """The name of an out-of-tree accelerator registered as PrivateUse1 (Ascend's `npu`,
+    a test device), or None: the generic `torch.accelerator` counters read it."""
+    name = guarded(getattr(torch._C, "_get_privateuse1_backend_name", lambda: None))
+    return None if name in (None, "privateuseone") else name
 
 
 def runtime_up(kind: str) -> bool:
@@ -254,6 +264,8 @@ def runtime_up(kind: str) -> bool:
                 and torch.backends.mps.is_available()
                 and torch.mps.driver_allocated_memory() > 0
             )
+        if kind == _private_backend():  # its own module says, where it has one
+            return bool(getattr(getattr(torch, kind, None), "is_initialized", bool)())
     except Exception:
         pass
     return False

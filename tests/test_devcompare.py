@@ -150,7 +150,9 @@ def test_difference(a, b, expected):
 
 BAD = [
     ("%%devcompare cpu\n1", "%%devcompare needs at least two devices"),
-    ("%%devcompare cpu cpu\n1", "%%devcompare got a device twice: cpu cpu"),
+    ("%%devcompare cpu cpu\n1", "%%devcompare got one device twice: cpu and cpu are the same"),
+    ("%%devcompare cpu meta cpu:0\n1",
+     "%%devcompare got one device twice: cpu and cpu:0 are the same device (cpu)"),
     ("%%devcompare cpu banana\n1", "'banana' is not a device"),
     ("%%devcompare cpu meta -n 0\n1", "%%devcompare needs -n 1 or more"),
     ("%devcompare cpu meta", "%%devcompare is a cell magic"),

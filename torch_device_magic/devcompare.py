@@ -92,10 +92,14 @@ class Comparison:
 
 def devices_to_compare(specs: Sequence[str], inventory: Inventory) -> list[torch.device]:
     """The devices `specs` name, each available and different; at least two."""
-    found = [resolve(spec, inventory)[0] for spec in specs]
-    names = [str(d) for d in found]
-    if len(set(names)) < len(names):
-        raise DeviceMagicError(f"%%devcompare got a device twice: {' '.join(specs)}")
+    found = [resolve(spec, inventory)[0] for spec in specs]  # canonical: cpu:0 is cpu
+    for i, dev in enumerate(found):
+        if dev in found[:i]:
+            same = f"{specs[found.index(dev)]} and {specs[i]}"
+            raise DeviceMagicError(
+                f"%%devcompare got one device twice: {same} are the same device ({dev}); "
+                "compare different devices, e.g. %%devcompare cpu cuda"
+            )
     if len(found) < 2:
         raise DeviceMagicError(
             "%%devcompare needs at least two devices, e.g. %%devcompare cpu cuda"

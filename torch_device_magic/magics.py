@@ -314,16 +314,15 @@ class TorchDeviceMagics(Magics):
             )
         args = parse(self.ondevice, line)
         dev = self._cell_device(args.spec)
-        if args.all:
-            names = self._all_names()
-        else:
-            names = moving.cell_names(self.shell.transform_cell(cell))
+        run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
+        names = (self._all_names() if args.all
+                 else cells.cell_names(self.shell.transform_cell(cell)))
         moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
         if args.verbose:
             display(moved.table())
         try:
             with torch.device(dev):
-                return cells.run(self.shell, cell)
+                return run()
         except BaseException as err:
             # The hint comes after the default is restored: tell it what was in force.
             self._failed_under = (id(err), dev)

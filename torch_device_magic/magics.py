@@ -368,7 +368,11 @@ class TorchDeviceMagics(Magics):
             return cells.run(self.shell, cell)
 
     @magic_arguments()
-    @argument("--device", help="only names holding a tensor on this device (cuda matches cuda:N)")
+    @argument(
+        "--device",
+        help="a filter: only names holding a tensor on this device (cuda matches every "
+        "cuda:N; a device this machine lacks matches nothing)",
+    )
     @argument(
         "--min-bytes",
         default="0",
@@ -393,12 +397,22 @@ class TorchDeviceMagics(Magics):
 
         A row's bytes are the storages the name keeps alive (a view counts its
         whole base); a module's are its parameters and buffers, an optimizer's
-        its state. Totals per device count shared storage once. Warnings name a
-        module whose parameters span devices and an optimizer whose state is on
-        another device than its parameters. `-o` returns the rows (TensorRow).
+        its state; a sparse tensor's are its indices and values. Totals per
+        device count shared storage once. Warnings name a module whose
+        parameters span devices, an optimizer whose state is on another device
+        than its parameters, and an object that raised when looked into (it is
+        skipped). At most 100,000 objects are looked at per name (its kind then
+        says "first 100,000 items"). `--device` and `--min-bytes` filter the
+        rows; `-o` returns them (TensorRow).
         """
         args = parse(self.tensors, line)
-        device = None if args.device is None else devices.parse(args.device)
+        try:
+            device = None if args.device is None else devices.parse(args.device)
+        except DeviceMagicError:  # its message offers `auto`, which names no tensor's device
+            raise DeviceMagicError(
+                f"{args.device!r} is not a device: --device filters by where tensors are, "
+                "e.g. cpu, cuda, cuda:1, mps, xpu or meta"
+            ) from None
         report = scan(
             self.shell.user_ns, self.shell.user_ns_hidden, device, parse_bytes(args.min_bytes)
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ from .units import fmt_bytes, plural
 
 WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hold no tensor
+# Their attributes are code and other modules, not the cell's data.
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                types.MethodType)
 
 # Where a tensor sits in the object a row is named after. DATA and STATE count
 # in the row's bytes; DATA, STATE and PARAM give its devices; every role counts
@@ -159,6 +163,38 @@ def scan(
         warnings=[w for _, f in found for w in f.warnings] + unread,
         kept=_kept(device, min_bytes),
     )
+
+
+def holds_tensors(obj: object) -> bool:
+    """Whether `obj` reaches a tensor, a module or an optimizer through containers or
+    attributes (a TensorDataset, an LR scheduler holding its optimizer), looking at
+    WALK_LIMIT objects at most; what raises when looked into counts as holding none."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack and len(seen) < WALK_LIMIT:
+        item = stack.pop()
+        if type(item) in _SCALARS or id(item) in seen:
+            continue
+        seen.add(id(item))
+        try:
+            if isinstance(item, (Tensor, torch.nn.Module, torch.optim.Optimizer)):
+                return True
+            stack.extend(_parts(item))
+        except Exception:  # an unreadable object is left as it is
+            continue
+    return False
+
+
+def _parts(obj: object) -> list[object]:
+    """What an object holds: a container's items, an instance's attributes; a module,
+    class or function holds nothing of the cell's."""
+    if isinstance(obj, dict):
+        return _first(obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return _first(obj)
+    if isinstance(obj, _NOT_HOLDERS):
+        return []
+    return _first(getattr(obj, "__dict__", {}).values())
 
 
 def _kept(device: torch.device | None, min_bytes: int) -> str:

@@ -4,13 +4,16 @@
     >>> [(d.device, d.median_s, d.speedup, d.max_abs_diff) for d in result.devices]
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
-For each device in turn the names the cell reads that hold tensors are
-deep-copied together (aliases and views stay shared among the copies) and the
-copies moved there with the `%%ondevice` mover; the cell runs with that device
-as torch's default and as `device`; then the namespace gets back exactly the
-bindings it had, so neither the copies nor anything the cell bound leak out.
-The cell is compiled once, run `warmup` times, then timed `runs` times, the
-device synchronised around each timed run where its runtime is up.
+For each device in turn the names the cell reads that hold tensors (in
+containers or in any object's attributes: a dataset, an LR scheduler) are
+deep-copied together (aliases and views stay shared among the copies), tensors
+on an accelerator straight to the device, and the copies moved there with the
+`%%ondevice` mover; the cell runs with that device as torch's default and as
+`device` (the CPU under no device mode, which would slow every torch call);
+then the namespace gets back exactly the bindings it had, so neither the copies
+nor anything the cell bound leak out, and the random states are put back. The
+cell is compiled once, run `warmup` times, then timed `runs` times, the device
+synchronised around each timed run where its runtime is up.
 """
 
 from __future__ import annotations
@@ -153,9 +156,11 @@ def _rng_kept(devices: Sequence[torch.device]) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU's
     for kind in sorted({d.type for d in devices} - {"cpu", "meta"}):
-        module = getattr(torch, kind)
-        indices = {module.current_device() if d.index is None else d.index
-                   for d in devices if d.type == kind}
+        module = getattr(torch, kind, None)
+        if not hasattr(module, "get_rng_state"):  # a backend without a generator of its own
+            continue
+        current = getattr(module, "current_device", lambda: 0)  # MPS has one device
+        indices = {current() if d.index is None else d.index for d in devices if d.type == kind}
         stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
     return stack
 
@@ -250,7 +255,7 @@ class _StraightTo(TorchFunctionMode):
                 return func(t, memo)
             memo[id(t)] = t.detach().clone()
         elif t.layout != torch.strided or type(t) is not Tensor:
-            return func(t, memo)  # its clone comes back here, and goes straight
+            return func(t, memo)  # sparse, subclasses: deepcopy's own way, then the move
         else:
             memo[id(t)] = self._straight(t, memo)
         return memo[id(t)]

@@ -286,11 +286,17 @@ class TorchDeviceMagics(Magics):
         cell then runs with DEV as torch's default device, which comes back
         afterwards.
 
+        The body is compiled before anything moves: a syntax error shows as a
+        plain cell's does and nothing moves; top-level `await` cannot run
+        under a cell magic and is refused in one line. `cpu:0` is the CPU.
+
         Choices where the contract is silent:
-        - Names are found in the cell's own code (what it reads, and the roots
-          of `a.b[c]`), not inside the functions it calls: a training function
-          that uses a global optimizer needs that optimizer named, or --all.
-          Names inside nested magics (`%time f(x)`) are not seen either.
+        - Names are the global names the cell's code reads (the roots of
+          `a.b[c]` too), also inside the functions and lambdas it defines, but
+          not their parameters, loop variables or locals; not inside the
+          functions it calls: a training function that uses a global optimizer
+          needs that optimizer named, or --all. Names inside nested magics
+          (`%time f(x)`) are not seen either.
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry and a module attribute that held the
           same tensor still do. Where torch refuses that (a weak reference, a
@@ -445,14 +451,20 @@ class TorchDeviceMagics(Magics):
         cpu     312.4 ms  305.1 ms … 330.9 ms  1.00×
         cuda      4.1 ms      4.0 ms … 4.3 ms  76.20×    3.1e-05
 
-        On each device the cell gets copies of the tensors, models and optimizers
-        it reads, moved there as %%ondevice moves them, with that device as
-        torch's default and as `device`. Afterwards the namespace is exactly as
-        before: nothing the cell bound or changed stays. Times are wall times with
-        the device synchronised; the difference is the largest absolute difference
+        On each device the cell gets copies of what it reads that holds tensors
+        (models, optimizers, containers, and objects holding them such as a
+        TensorDataset or an LR scheduler), accelerator tensors copied straight
+        there and the rest moved as %%ondevice moves it, with that device as
+        torch's default and as `device` (the CPU runs with no default device
+        installed, even under %device). Afterwards the namespace is exactly as
+        before: nothing the cell bound or changed stays, and the random state of
+        the CPU and the devices is as it was. Times are wall times with the
+        device synchronised; the difference is the largest absolute difference
         between the devices' values of the cell's last expression (tensors, or
-        lists, tuples and dicts of them), "not comparable" for meta. `-o` returns
-        a Comparison (devices: median_s, min_s, max_s, speedup, max_abs_diff).
+        lists, tuples and dicts of them): NaN in the same places is equal, NaN
+        against a number reads "NaN in different places", meta is "not
+        comparable". `cpu` and `cpu:0` are one device. `-o` returns a Comparison
+        (devices: median_s, min_s, max_s, speedup, max_abs_diff).
         """
         __tracebackhide__ = True
         args = parse(self.devcompare, line)

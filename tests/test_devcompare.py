@@ -263,3 +263,26 @@ def test_tensors_on_an_accelerator_are_copied_straight_to_the_target(monkeypatch
     assert copies["w"].is_leaf and copies["w"].requires_grad and copies["w"].device.type == "meta"
     assert copies["y"].device.type == "meta" and copies["y"].grad_fn is None
     assert all(t.device.type == "cpu" for t in (a, w, model.weight))  # the originals stay
+
+
+@pytest.mark.cuda
+def test_gpu_inputs_reach_the_cpu_without_a_second_copy_on_the_gpu(nsip):
+    nsip.run_cell("big = torch.arange(2**26, device='cuda', dtype=torch.float32)")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    compare(nsip, "cpu meta -n 1 --warmup 0", "seen.append(big.device.type)\n(big * 2).shape")
+    assert nsip.user_ns["seen"] == ["cpu", "meta"]
+    assert torch.cuda.max_memory_allocated() == held  # nothing was cloned on the GPU
+    assert nsip.user_ns["big"].device.type == "cuda"
+
+
+@pytest.mark.cuda
+def test_the_gpus_random_state_is_kept_too(nsip):
+    nsip.run_cell(
+        "torch.cuda.manual_seed(0); expected = torch.rand(1, device='cuda')\n"
+        "torch.cuda.manual_seed(0)"
+    )
+    compare(nsip, "cpu cuda -n 2", "torch.rand(3, device=device)")
+    nsip.run_cell("after = torch.rand(1, device='cuda')")
+    assert torch.equal(nsip.user_ns["after"], nsip.user_ns["expected"])

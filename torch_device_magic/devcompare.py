@@ -150,19 +150,20 @@ def _tensor_names(ns: dict, read: set[str], hidden: Any) -> list[str]:
     return sorted(n for n in read if n in ns and n not in hidden and holds_tensors(ns[n]))
 
 
-def _rng_kept(devices: Sequence[torch.device]) -> contextlib.ExitStack:
-    """Save the random state of the CPU and of each device compared; restored on exit,
+@contextlib.contextmanager
+def _rng_kept(devices: Sequence[torch.device]) -> Iterator[None]:
+    """Save the random state of the CPU and of each device compared, and put it back,
     so that a seeded notebook draws the same numbers after the comparison as before."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU's
-    for kind in sorted({d.type for d in devices} - {"cpu", "meta"}):
-        module = getattr(torch, kind, None)
-        if not hasattr(module, "get_rng_state"):  # a backend without a generator of its own
-            continue
-        current = getattr(module, "current_device", lambda: 0)  # MPS has one device
-        indices = {current() if d.index is None else d.index for d in devices if d.type == kind}
-        stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
-    return stack
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU's
+        for kind in sorted({d.type for d in devices} - {"cpu", "meta"}):
+            module = getattr(torch, kind, None)
+            if not hasattr(module, "get_rng_state"):  # a backend without a generator of its own
+                continue
+            current = getattr(module, "current_device", lambda: 0)  # MPS has one device
+            indices = {current() if d.index is None else d.index for d in devices if d.type == kind}
+            stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+        yield
 
 
 @contextlib.contextmanager

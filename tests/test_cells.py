@@ -26,6 +26,8 @@ from torch_device_magic.cells import cell_names
     ("def outer(x):\n    def inner():\n        return x + y\n    return inner", {"y"}),
     ("class Net:\n    k = 3\n    def forward(self, x):\n        return x * k", {"k"}),
     ("a = 1\nfor i in r: pass\ndef f():\n    return g(h)", {"r", "g", "h"}),
+    ("for b in batches:\n    try:\n        total += b\n    except E:\n        n -= 1",
+     {"batches", "b", "total", "E", "n"}),
     ("await fetch(x)", {"fetch", "x"}),
     ("x = (", set()),
 ])

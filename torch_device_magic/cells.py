@@ -107,28 +107,44 @@ def cell_names(source: str) -> set[str]:
     their parameters, loop variables or locals."""
     try:
         tree = ast.parse(source)
+        table = symtable.symtable(source, "<cell>", "exec")
     except SyntaxError:
         return set()  # the cell runner reports it
-    # symtable takes `x += 1` for a store only, but it reads x: say so with a plain read.
-    table = symtable.symtable(ast.unparse(_AugmentedReads().visit(tree)), "<cell>", "exec")
-    return _global_reads(table, top=True)
+    # symtable takes `x += 1` for a store only, but it reads x.
+    top, inner = _augmented(tree)
+    return top | _global_reads(table, inner, top=True)
 
 
-class _AugmentedReads(ast.NodeTransformer):
-    def visit_AugAssign(self, node: ast.AugAssign) -> Any:
-        self.generic_visit(node)
-        if isinstance(node.target, ast.Name):
-            return [ast.Expr(ast.Name(node.target.id, ast.Load())), node]
-        return node
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
-def _global_reads(table: symtable.SymbolTable, top: bool) -> set[str]:
+def _augmented(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The names `x += ...` updates at the cell's top level, and inside its functions and
+    classes; statements only, which is quick (an expression holds no `+=`)."""
+    top: set[str] = set()
+    inner: set[str] = set()
+    stack = [(node, True) for node in tree.body]
+    while stack:
+        node, at_top = stack.pop()
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            (top if at_top else inner).add(node.target.id)
+        nested = at_top and not isinstance(node, _SCOPES)
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, field, ())
+            if isinstance(children, list):
+                stack.extend((child, nested) for child in children)
+    return top, inner
+
+
+def _global_reads(table: symtable.SymbolTable, augmented: set[str], top: bool) -> set[str]:
     # At the top every name read is the namespace's; inside a function, lambda, class or
-    # comprehension only those not bound there (nor in an enclosing function) are.
+    # comprehension only those not bound there (nor in an enclosing function) are, and
+    # a name declared `global` there that `+=` updates.
     names = {
         s.get_name() for s in table.get_symbols()
-        if s.is_referenced() and (top or s.is_global())
+        if (s.is_referenced() and (top or s.is_global()))
+        or (s.is_declared_global() and s.get_name() in augmented)
     }
     for child in table.get_children():
-        names |= _global_reads(child, top=False)
+        names |= _global_reads(child, augmented, top=False)
     return names

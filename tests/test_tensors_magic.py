@@ -289,3 +289,17 @@ def test_device_is_a_filter_that_never_offers_auto(ip):
     message = str(err.value)
     assert message.startswith("'auto' is not a device: ") and "auto" not in message[6:]
     assert "--device filters" in message
+
+
+def test_holds_tensors_looks_into_attributes_but_not_into_code():
+    from torch.utils.data import TensorDataset
+
+    from torch_device_magic.namespace import holds_tensors
+
+    model = torch.nn.Linear(2, 2)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1.0), 1)
+    assert holds_tensors(TensorDataset(torch.ones(2))) and holds_tensors(sched)
+    assert holds_tensors({"k": [State(torch.ones(1), 1)]})
+    assert not holds_tensors(torch) and not holds_tensors(torch.nn.Linear)
+    assert not holds_tensors(lambda: model) and not holds_tensors(list(range(10)))
+    assert not holds_tensors(BadMapping(k=torch.ones(1)))  # unreadable: left as it is

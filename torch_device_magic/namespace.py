@@ -171,7 +171,9 @@ def holds_tensors(obj: object) -> bool:
     WALK_LIMIT objects at most; what raises when looked into counts as holding none."""
     seen: set[int] = set()
     stack = [obj]
-    while stack and len(seen) < WALK_LIMIT:
+    for _ in range(WALK_LIMIT):
+        if not stack:
+            break
         item = stack.pop()
         if type(item) in _SCALARS or id(item) in seen:
             continue

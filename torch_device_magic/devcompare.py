@@ -24,6 +24,7 @@ import copy
 import math
 import statistics
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,7 +194,10 @@ def _on_device(
         ns.update(_copies(ns, names, dev))
         move(ns, names, dev)
         ns["device"] = dev
-        with _default_device(dev):
+        with _default_device(dev), warnings.catch_warnings():
+            # A copied optimizer loses the step wrapper its LR scheduler put on the original,
+            # and torch would blame the user for "overriding" it.
+            warnings.filterwarnings("ignore", message=_UNWRAPPED_STEP)
             for _ in range(warmup):
                 run()
             runs_s = []
@@ -229,6 +233,7 @@ def _copies(ns: dict, names: list[str], dev: torch.device) -> dict[str, object]:
         raise DeviceMagicError(f"%%devcompare could not copy the cell's inputs: {reason}") from None
 
 
+_UNWRAPPED_STEP = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate"
 _DEEPCOPIED = ("cpu", "meta")  # where a deep copy is cheap; elsewhere it would be a same-GPU copy
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import namedtuple
 
 import pytest
@@ -12,6 +14,7 @@ from torch_device_magic.devcompare import Comparison, DeviceTiming, difference
 from torch_device_magic.devices import torch_default_device
 
 Pair = namedtuple("Pair", "x y")
+NAN, INF = math.nan, math.inf
 
 
 def snapshot(ip):
@@ -143,14 +146,38 @@ def test_speedup_is_relative_to_the_first_device():
     (None, None, None),
     (3, 3.25, 0.25),
     (torch.empty(0), torch.empty(0), 0.0),
+    (torch.tensor([NAN, 1.0, INF]), torch.tensor([NAN, 1.5, INF]), 0.5),
+    (torch.tensor([NAN, 1.0]), torch.tensor([NAN, 1.0], dtype=torch.float64), 0.0),
+    ((NAN, torch.ones(1)), (NAN, torch.ones(1)), 0.0),
 ])
 def test_difference(a, b, expected):
     assert difference(a, b) == expected
 
 
+@pytest.mark.parametrize(("a", "b"), [
+    (torch.tensor([NAN, 1.0]), torch.tensor([1.0, NAN])),
+    (torch.tensor([NAN]), torch.tensor([1.0])),
+    ([2.0, NAN], [2.0, 1.0]),
+    ([torch.tensor([NAN]), 5.0], [torch.tensor([0.0]), 1.0]),
+])
+def test_nan_where_the_other_has_a_number_is_a_nan_difference(a, b):
+    assert math.isnan(difference(a, b))
+
+
+def test_nan_in_different_places_says_so():
+    comparison = Comparison(
+        [DeviceTiming("cpu", [0.1], 1.0, None), DeviceTiming("cpu:1", [0.1], 1.0, 0.0),
+         DeviceTiming("cpu:2", [0.1], 1.0, NAN)], warmup=1,
+    )
+    rows = str(comparison).splitlines()[3:]
+    assert rows[1].split()[-1] == "0" and rows[2].endswith("NaN in different places")
+
+
 BAD = [
     ("%%devcompare cpu\n1", "%%devcompare needs at least two devices"),
-    ("%%devcompare cpu cpu\n1", "%%devcompare got a device twice: cpu cpu"),
+    ("%%devcompare cpu cpu\n1", "%%devcompare got one device twice: cpu and cpu are the same"),
+    ("%%devcompare cpu meta cpu:0\n1",
+     "%%devcompare got one device twice: cpu and cpu:0 are the same device (cpu)"),
     ("%%devcompare cpu banana\n1", "'banana' is not a device"),
     ("%%devcompare cpu meta -n 0\n1", "%%devcompare needs -n 1 or more"),
     ("%devcompare cpu meta", "%%devcompare is a cell magic"),
@@ -167,3 +194,98 @@ def test_bad_input_is_a_usage_error_and_changes_nothing(nsip, cell, message):
     assert type(err.value) is UsageError
     assert str(err.value).startswith(message)
     assert_unchanged(nsip, before)
+
+
+def test_objects_holding_tensors_are_copied_not_mutated(nsip):
+    nsip.run_cell(
+        "from torch.utils.data import TensorDataset\n"
+        "class Holder: pass\n"
+        "ds = TensorDataset(torch.ones(3)); h = Holder(); h.t = torch.ones(2); h.n = 1\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)"
+    )
+    ns = nsip.user_ns
+    t, before_ds = ns["h"].t, ns["ds"].tensors[0].clone()
+    compare(nsip, "cpu meta -n 2", "ds.tensors[0].add_(1)\nh.t = h.t * 2\nh.n += 1\n"
+            "opt.step()\nsched.step()")
+    assert torch.equal(ns["ds"].tensors[0], before_ds)
+    assert ns["h"].t is t and ns["h"].n == 1
+    assert ns["opt"].param_groups[0]["lr"] == 0.1 and ns["sched"].last_epoch == 0
+
+
+def test_a_scheduler_named_alone_does_not_decay_the_real_learning_rate(ip):
+    ip.run_cell(
+        "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=1.0)\n"
+        "sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the copies must not make torch warn of an override
+        compare(ip, "cpu meta -n 3", "sched.optimizer.step()\nsched.step()")
+    assert ip.user_ns["opt"].param_groups[0]["lr"] == 1.0
+
+
+def test_the_random_state_is_as_if_the_comparison_never_ran(nsip):
+    nsip.run_cell("torch.manual_seed(0); expected = torch.rand(1); torch.manual_seed(0)")
+    compare(nsip, "cpu meta -n 2", "torch.rand(3) + torch.randn(2, device=device).sum()")
+    nsip.run_cell("after = torch.rand(1)")
+    assert torch.equal(nsip.user_ns["after"], nsip.user_ns["expected"])
+
+
+def test_the_cpu_runs_under_no_device_mode_even_with_a_session_device(nsip):
+    nsip.run_cell("%device meta")
+    compare(nsip, "cpu meta -n 1 --warmup 0",
+            "modes = torch.overrides._get_current_function_mode_stack()\n"
+            "seen.append((torch.get_default_device().type, [type(m).__name__ for m in modes]))")
+    assert nsip.user_ns["seen"][0] == ("cpu", [])
+    assert nsip.user_ns["seen"][1][0] == "meta"
+    assert torch_default_device() == torch.device("meta")
+
+
+def test_tensors_on_an_accelerator_are_copied_straight_to_the_target(monkeypatch):
+    """Here the CPU plays the accelerator: its tensors must not be deep-copied where they
+    are (a same-GPU copy) but copied once, to the target, keeping what they are."""
+    from torch_device_magic import devcompare
+
+    monkeypatch.setattr(devcompare, "_DEEPCOPIED", ("meta",))
+    deep_copied = []
+    real = torch.UntypedStorage.__deepcopy__
+    monkeypatch.setattr(torch.UntypedStorage, "__deepcopy__",
+                        lambda self, memo: deep_copied.append(self) or real(self, memo))
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    a = torch.arange(6.0).reshape(2, 3)
+    w = torch.ones(2, requires_grad=True)
+    ns = {"model": model, "a": a, "v": a[1], "w": w, "y": w * 2, "pair": [a, model.weight]}
+    copies = devcompare._copies(ns, list(ns), torch.device("meta"))
+    assert deep_copied == []
+    m, pair = copies["model"], copies["pair"]
+    assert m is not model and m.weight.device.type == "meta"
+    assert type(m.weight) is torch.nn.Parameter and m.weight.requires_grad
+    assert pair[1] is m.weight and pair[0] is copies["a"]  # aliases stay aliases
+    assert copies["v"].untyped_storage()._cdata == copies["a"].untyped_storage()._cdata
+    assert copies["v"].storage_offset() == 3
+    assert copies["w"].is_leaf and copies["w"].requires_grad and copies["w"].device.type == "meta"
+    assert copies["y"].device.type == "meta" and copies["y"].grad_fn is None
+    assert all(t.device.type == "cpu" for t in (a, w, model.weight))  # the originals stay
+
+
+@pytest.mark.cuda
+def test_gpu_inputs_reach_the_cpu_without_a_second_copy_on_the_gpu(nsip):
+    nsip.run_cell("big = torch.arange(2**26, device='cuda', dtype=torch.float32)")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    compare(nsip, "cpu meta -n 1 --warmup 0", "seen.append(big.device.type)\n(big * 2).shape")
+    assert nsip.user_ns["seen"] == ["cpu", "meta"]
+    assert torch.cuda.max_memory_allocated() == held  # nothing was cloned on the GPU
+    assert nsip.user_ns["big"].device.type == "cuda"
+
+
+@pytest.mark.cuda
+def test_the_gpus_random_state_is_kept_too(nsip):
+    nsip.run_cell(
+        "torch.cuda.manual_seed(0); expected = torch.rand(1, device='cuda')\n"
+        "torch.cuda.manual_seed(0)"
+    )
+    compare(nsip, "cpu cuda -n 2", "torch.rand(3, device=device)")
+    nsip.run_cell("after = torch.rand(1, device='cuda')")
+    assert torch.equal(nsip.user_ns["after"], nsip.user_ns["expected"])

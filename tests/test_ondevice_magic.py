@@ -165,3 +165,36 @@ def test_bad_input_is_one_usage_error_and_changes_nothing(ip, ns, line, message)
     assert type(err.value) is UsageError
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert "ran" not in ns and state(ip) == before
+
+
+def test_a_parameter_or_loop_variable_named_like_a_global_does_not_move_it(ip, ns):
+    ip.run_cell(
+        "%%ondevice meta\nscale = lambda x: x * 2\ndef f(view):\n    return view\n"
+        "ys = [bystander for bystander in range(3)]\nout = model(torch.ones(1, 3))"
+    )
+    assert ns["model"].weight.device == META
+    assert ns["x"].device.type == "cpu" and ns["view"].device.type == "cpu"
+    assert ns["bystander"].device.type == "cpu"
+
+
+def test_a_function_the_cell_defines_moves_the_globals_it_reads(ip, ns):
+    ip.run_cell("%%ondevice meta\ndef f():\n    return model(x[:3])\nout = f()")
+    assert ns["model"].weight.device == META and ns["x"].device == META
+    assert ns["out"].device == META
+
+
+@pytest.mark.parametrize("body", ["y = x * 2\nreturn y", "y = x * 2\nawait f(x)"])
+def test_a_body_that_cannot_compile_moves_nothing(ip, ns, body):
+    before = state(ip)
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(f"%%ondevice meta\n{body}")
+    assert type(err.value) is UsageError and "\n" not in str(err.value)
+    assert state(ip) == before and "y" not in ns
+
+
+def test_cpu_0_is_the_cpu_and_nothing_is_copied(ip, ns):
+    x, ptr = ns["x"], ns["x"].data_ptr()
+    ip.run_cell("%%ondevice cpu:0 -v\ny = x + 1")
+    ip.run_cell("%device cpu:0 --move")
+    assert ns["x"] is x and x.data_ptr() == ptr
+    assert ns["device"] == torch.device("cpu") and torch_default_device() is None

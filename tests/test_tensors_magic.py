@@ -224,3 +224,84 @@ def test_adams_cpu_step_counter_does_not_make_the_optimizer_span_devices():
     assert report.rows[0].nbytes == 24  # the moments; the steps count in the totals only
     assert report.totals == {"cpu": 8, "meta": 24 + 24}
     assert report.warnings == []
+
+
+class BadMapping(dict):
+    def values(self):
+        raise RuntimeError("values are not ready")
+
+
+@dataclass
+class Lazy:
+    size: int
+
+    def __getattribute__(self, name):
+        if name == "size":
+            raise KeyError("not loaded yet")
+        return super().__getattribute__(name)
+
+
+def test_an_object_that_raises_when_read_is_skipped_and_named():
+    report = scan({"bad": BadMapping(k=torch.ones(1)), "lazy": Lazy(1), "x": torch.ones(2)})
+    assert [r.name for r in report.rows] == ["x"]
+    assert report.warnings == [
+        "bad: skipped a BadMapping that could not be read (RuntimeError: values are not ready)",
+        "lazy: skipped a Lazy that could not be read (KeyError: 'not loaded yet')",
+    ]
+
+
+def test_tensors_and_devcompare_work_beside_objects_that_raise(ip, capsys):
+    ip.user_ns.update(bad=BadMapping(), lazy=Lazy(1))
+    ip.run_cell("x = torch.ones(2)")
+    assert [r.name for r in ip.run_line_magic("tensors", "-o")] == ["x"]
+    result = ip.run_cell_magic("devcompare", "cpu meta -n 1 -o", "bad, lazy\n(x * 2).shape")
+    assert result.devices[1].max_abs_diff == 0.0
+
+
+def test_a_list_of_a_million_samples_is_walked_only_so_far():
+    import tracemalloc
+
+    # One sample a million times: a million distinct ones would leave the allocator holding
+    # memory that later tests measure.
+    samples = [(torch.zeros(3).numpy(), 7)] * 1_000_000
+    tracemalloc.start()
+    try:
+        report = scan({"samples": samples, "x": torch.ones(1)})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r.name for r in report.rows] == ["x"]
+    assert peak < 4 * 2**20  # the walk holds a bounded slice, not a copy of the million (8 MB)
+
+
+def test_a_sparse_tensor_counts_what_it_stores_not_its_dense_size():
+    indices = torch.tensor([[0, 99_999], [0, 99_999]])
+    sparse = torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0]), (100_000, 100_000),
+                                    check_invariants=True)
+    [row] = scan({"sparse": sparse}).rows
+    assert row.nbytes == 2 * 2 * 8 + 2 * 4  # indices and values, not 37 GiB
+
+
+def test_device_is_a_filter_that_never_offers_auto(ip):
+    ip.run_cell("x = torch.ones(2)")
+    assert ip.run_line_magic("tensors", "--device cuda:7 -o") == []  # a filter, not checked
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%tensors --device auto")
+    assert type(err.value) is UsageError
+    message = str(err.value)
+    assert message.startswith("'auto' is not a device: ") and "auto" not in message[6:]
+    assert "--device filters" in message
+
+
+def test_holds_tensors_looks_into_attributes_but_not_into_code():
+    from torch.utils.data import TensorDataset
+
+    from torch_device_magic.namespace import holds_tensors
+
+    model = torch.nn.Linear(2, 2)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1.0), 1)
+    assert holds_tensors(TensorDataset(torch.ones(2))) and holds_tensors(sched)
+    assert holds_tensors({"k": [State(torch.ones(1), 1)]})
+    assert not holds_tensors(torch) and not holds_tensors(torch.nn.Linear)
+    assert not holds_tensors(lambda: model) and not holds_tensors(list(range(10)))
+    assert not holds_tensors(BadMapping(k=torch.ones(1)))  # unreadable: left as it is

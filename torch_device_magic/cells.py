@@ -6,16 +6,26 @@ shift `In[n]`; `shell.ex` loses `Out[n]` and real tracebacks. So: transform the
 cell (`!cmd`, nested magics), register its source under the cell's own number
 (tracebacks read `Cell In[n], line k`), exec the body, eval a trailing
 expression and return it for the display hook, unless the cell ends with `;`.
-The user's exception propagates unchanged.
+The user's exception propagates unchanged. A body that does not compile runs
+nothing and reads as a plain cell's syntax error, then one line; top-level
+`await` cannot run inside a magic (IPython's own `%%time` refuses it too).
+
+`cell_names` says which of the namespace's names a cell reads, for the magics
+that move or copy them first: the free global names, found with `symtable`, so
+that a parameter, a comprehension's variable or a function's local that shares
+a name with a global is not taken for it.
 """
 
 from __future__ import annotations
 
 import ast
 import io
+import symtable
 import tokenize
 from collections.abc import Callable
 from typing import Any
+
+from .errors import DeviceMagicError
 
 
 def run(shell: Any, cell: str) -> Any:
@@ -25,15 +35,29 @@ def run(shell: Any, cell: str) -> Any:
 
 
 def compiled(shell: Any, cell: str) -> Callable[[], Any]:
-    """Compile `cell` once; each call of the result runs it as `run` does (for timing)."""
+    """Compile `cell` once; each call of the result runs it as `run` does (for timing).
+
+    A cell that does not compile is shown as IPython shows a plain cell's syntax error
+    (`Cell In[n], line k`, none of our frames), and a `DeviceMagicError` says it did not run.
+    """
     source = shell.transform_cell(cell)
     filename = shell.compile.cache(source, cell_number(shell), raw_code=cell)
-    # Parsed under the cell's name, a SyntaxError reads `Cell In[n], line k`, not `<unknown>`.
-    tree = shell.transform_ast(shell.compile.ast_parse(source, filename))
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
-    body = shell.compile(tree, filename, "exec")
+    try:
+        # Parsed under the cell's name, a SyntaxError reads `Cell In[n], line k`, not `<unknown>`.
+        tree = shell.transform_ast(shell.compile.ast_parse(source, filename))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        body = shell.compile(tree, filename, "exec")
+    except SyntaxError as err:
+        if _awaits(source):
+            # Inside a magic no event loop can run it: in a kernel, the kernel's is running.
+            raise DeviceMagicError(
+                f"`await` outside a function (line {err.lineno}) cannot run under a cell "
+                "magic: await it in a cell of its own"
+            ) from None
+        shell.showsyntaxerror()  # what a plain cell shows: only the error, at the cell's line
+        raise DeviceMagicError("the cell did not run: it has the syntax error above") from None
     silent = ends_with_semicolon(cell)
 
     def execute() -> Any:
@@ -66,3 +90,61 @@ def ends_with_semicolon(cell: str) -> bool:
         if tok.type not in skip:
             return tok.type == tokenize.OP and tok.string == ";"
     return False
+
+
+def _awaits(source: str) -> bool:
+    """True when `source` compiles only with top-level `await` allowed."""
+    try:
+        compile(source, "<cell>", "exec", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    except SyntaxError:
+        return False
+    return True
+
+
+def cell_names(source: str) -> set[str]:
+    """The global names `source` reads: in its own lines (the roots of `a.b[c]` included)
+    and in the functions, lambdas, classes and comprehensions it defines, but not
+    their parameters, loop variables or locals."""
+    try:
+        tree = ast.parse(source)
+        table = symtable.symtable(source, "<cell>", "exec")
+    except SyntaxError:
+        return set()  # the cell runner reports it
+    # symtable takes `x += 1` for a store only, but it reads x.
+    top, inner = _augmented(tree)
+    return top | _global_reads(table, inner, top=True)
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _augmented(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The names `x += ...` updates at the cell's top level, and inside its functions and
+    classes; statements only, which is quick (an expression holds no `+=`)."""
+    top: set[str] = set()
+    inner: set[str] = set()
+    stack = [(node, True) for node in tree.body]
+    while stack:
+        node, at_top = stack.pop()
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            (top if at_top else inner).add(node.target.id)
+        nested = at_top and not isinstance(node, _SCOPES)
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, field, ())
+            if isinstance(children, list):
+                stack.extend((child, nested) for child in children)
+    return top, inner
+
+
+def _global_reads(table: symtable.SymbolTable, augmented: set[str], top: bool) -> set[str]:
+    # At the top every name read is the namespace's; inside a function, lambda, class or
+    # comprehension only those not bound there (nor in an enclosing function) are, and
+    # a name declared `global` there that `+=` updates.
+    names = {
+        s.get_name() for s in table.get_symbols()
+        if (s.is_referenced() and (top or s.is_global()))
+        or (s.is_declared_global() and s.get_name() in augmented)
+    }
+    for child in table.get_children():
+        names |= _global_reads(child, augmented, top=False)
+    return names

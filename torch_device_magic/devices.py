@@ -111,7 +111,13 @@ def parse(spec: str) -> torch.device:
         ) from None
     if dev.type in ("cpu", "meta") and dev.index not in (None, 0):
         raise DeviceMagicError(f"{spec!r} is not a device: {dev.type} takes no index")
-    return dev
+    return canonical(dev)
+
+
+def canonical(dev: torch.device) -> torch.device:
+    """`cpu:0` as `cpu` (and `meta:0` as `meta`): tensors there report no index, so a
+    device compared with theirs must not carry one."""
+    return torch.device(dev.type) if dev.type in ("cpu", "meta") else dev
 
 
 def resolve(spec: str, inventory: Inventory) -> tuple[torch.device, str]:

@@ -335,11 +335,17 @@ class TorchDeviceMagics(Magics):
         cell then runs with DEV as torch's default device, which comes back
         afterwards.
 
+        The body is compiled before anything moves: a syntax error shows as a
+        plain cell's does and nothing moves; top-level `await` cannot run
+        under a cell magic and is refused in one line. `cpu:0` is the CPU.
+
         Choices where the contract is silent:
-        - Names are found in the cell's own code (what it reads, and the roots
-          of `a.b[c]`), not inside the functions it calls: a training function
-          that uses a global optimizer needs that optimizer named, or --all.
-          Names inside nested magics (`%time f(x)`) are not seen either.
+        - Names are the global names the cell's code reads (the roots of
+          `a.b[c]` too), also inside the functions and lambdas it defines, but
+          not their parameters, loop variables or locals; not inside the
+          functions it calls: a training function that uses a global optimizer
+          needs that optimizer named, or --all. Names inside nested magics
+          (`%time f(x)`) are not seen either.
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry and a module attribute that held the
           same tensor still do. Where torch refuses that (a weak reference, a
@@ -363,17 +369,16 @@ class TorchDeviceMagics(Magics):
             )
         args = parse(self.ondevice, line)
         dev = self._cell_device(args.spec)
-        if args.all:
-            names = self._all_names()
-        else:
-            names = moving.cell_names(self.shell.transform_cell(cell))
+        run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
+        names = (self._all_names() if args.all
+                 else cells.cell_names(self.shell.transform_cell(cell)))
         moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
         if args.verbose:
             display(moved.table())
         failed = False
         try:
             with torch.device(dev):
-                return cells.run(self.shell, cell)
+                return run()
         except BaseException as err:
             # The hint comes after the default is restored: tell it what was in force.
             self._failed_under, failed = (id(err), dev), True
@@ -426,7 +431,11 @@ class TorchDeviceMagics(Magics):
             return cells.run(self.shell, cell)
 
     @magic_arguments()
-    @argument("--device", help="only names holding a tensor on this device (cuda matches cuda:N)")
+    @argument(
+        "--device",
+        help="a filter: only names holding a tensor on this device (cuda matches every "
+        "cuda:N; a device this machine lacks matches nothing)",
+    )
     @argument(
         "--min-bytes",
         default="0",
@@ -451,12 +460,22 @@ class TorchDeviceMagics(Magics):
 
         A row's bytes are the storages the name keeps alive (a view counts its
         whole base); a module's are its parameters and buffers, an optimizer's
-        its state. Totals per device count shared storage once. Warnings name a
-        module whose parameters span devices and an optimizer whose state is on
-        another device than its parameters. `-o` returns the rows (TensorRow).
+        its state; a sparse tensor's are its indices and values. Totals per
+        device count shared storage once. Warnings name a module whose
+        parameters span devices, an optimizer whose state is on another device
+        than its parameters, and an object that raised when looked into (it is
+        skipped). At most 100,000 objects are looked at per name (its kind then
+        says "first 100,000 items"). `--device` and `--min-bytes` filter the
+        rows; `-o` returns them (TensorRow).
         """
         args = parse(self.tensors, line)
-        device = None if args.device is None else devices.parse(args.device)
+        try:
+            device = None if args.device is None else devices.parse(args.device)
+        except DeviceMagicError:  # its message offers `auto`, which names no tensor's device
+            raise DeviceMagicError(
+                f"{args.device!r} is not a device: --device filters by where tensors are, "
+                "e.g. cpu, cuda, cuda:1, mps, xpu or meta"
+            ) from None
         report = scan(
             self.shell.user_ns, self.shell.user_ns_hidden, device, parse_bytes(args.min_bytes)
         )
@@ -489,14 +508,20 @@ class TorchDeviceMagics(Magics):
         cpu     312.4 ms  305.1 ms … 330.9 ms  1.00×
         cuda      4.1 ms      4.0 ms … 4.3 ms  76.20×    3.1e-05
 
-        On each device the cell gets copies of the tensors, models and optimizers
-        it reads, moved there as %%ondevice moves them, with that device as
-        torch's default and as `device`. Afterwards the namespace is exactly as
-        before: nothing the cell bound or changed stays. Times are wall times with
-        the device synchronised; the difference is the largest absolute difference
+        On each device the cell gets copies of what it reads that holds tensors
+        (models, optimizers, containers, and objects holding them such as a
+        TensorDataset or an LR scheduler), accelerator tensors copied straight
+        there and the rest moved as %%ondevice moves it, with that device as
+        torch's default and as `device` (the CPU runs with no default device
+        installed, even under %device). Afterwards the namespace is exactly as
+        before: nothing the cell bound or changed stays, and the random state of
+        the CPU and the devices is as it was. Times are wall times with the
+        device synchronised; the difference is the largest absolute difference
         between the devices' values of the cell's last expression (tensors, or
-        lists, tuples and dicts of them), "not comparable" for meta. `-o` returns
-        a Comparison (devices: median_s, min_s, max_s, speedup, max_abs_diff).
+        lists, tuples and dicts of them): NaN in the same places is equal, NaN
+        against a number reads "NaN in different places", meta is "not
+        comparable". `cpu` and `cpu:0` are one device. `-o` returns a Comparison
+        (devices: median_s, min_s, max_s, speedup, max_abs_diff).
         """
         __tracebackhide__ = True
         args = parse(self.devcompare, line)

@@ -31,7 +31,6 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import gc
@@ -45,6 +44,7 @@ from weakref import getweakrefcount
 import torch
 from torch import Tensor
 
+from .cells import cell_names  # re-exported: the move's callers find their names there
 from .errors import DeviceMagicError, first_sentence
 from .reports import Table
 from .units import fmt_bytes, fmt_seconds
@@ -70,21 +70,6 @@ _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 # Where a tensor was found, formatted only when a message needs it:
 # (parent, key, is_attribute), the parent None at a root name.
 _Where = tuple
-
-
-def cell_names(source: str) -> set[str]:
-    """The names a cell's code reads: Name loads (the roots of attribute and subscript chains)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return set()  # the cell runner reports it
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            names.add(node.id)
-        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)  # `x += 1` reads x
-    return names
 
 
 @dataclass

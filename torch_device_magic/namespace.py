@@ -19,16 +19,24 @@ optimizer's parameters included, so names sharing storage add nothing.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from .errors import first_sentence
+from .moving import _nbytes  # what a tensor stores, sparse ones included: one rule for both
 from .reports import Table
 from .units import fmt_bytes, plural
 
 WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hold no tensor
+# Their attributes are code and other modules, not the cell's data.
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                types.MethodType)
 
 # Where a tensor sits in the object a row is named after. DATA and STATE count
 # in the row's bytes; DATA, STATE and PARAM give its devices; every role counts
@@ -126,12 +134,15 @@ def scan(
     """
     skip = set(hidden)
     found: list[tuple[TensorRow, _Found]] = []
+    unread: list[str] = []  # what could not be looked into, named even where it makes no row
     for name in sorted(namespace):
         if name.startswith("_") or name in skip:
             continue
-        row = _row(name, namespace[name])
-        if row is not None and row[0].nbytes >= min_bytes and _on(row[1], device):
-            found.append(row)
+        row, f = _row(name, namespace[name])
+        if row is None:
+            unread += f.warnings
+        elif row.nbytes >= min_bytes and _on(f, device):
+            found.append((row, f))
     totals: dict[str, dict[tuple[str, int], int]] = {}
     owners: dict[tuple[str, int], list[str]] = {}
     for row, f in found:
@@ -149,9 +160,43 @@ def scan(
         rows=[row for row, _ in found],
         totals={dev: sum(s.values()) for dev, s in sorted(totals.items())},
         shared=shared,
-        warnings=[w for _, f in found for w in f.warnings],
+        warnings=[w for _, f in found for w in f.warnings] + unread,
         kept=_kept(device, min_bytes),
     )
+
+
+def holds_tensors(obj: object) -> bool:
+    """Whether `obj` reaches a tensor, a module or an optimizer through containers or
+    attributes (a TensorDataset, an LR scheduler holding its optimizer), looking at
+    WALK_LIMIT objects at most; what raises when looked into counts as holding none."""
+    seen: set[int] = set()
+    stack = [obj]
+    for _ in range(WALK_LIMIT):
+        if not stack:
+            break
+        item = stack.pop()
+        if type(item) in _SCALARS or id(item) in seen:
+            continue
+        seen.add(id(item))
+        try:
+            if isinstance(item, (Tensor, torch.nn.Module, torch.optim.Optimizer)):
+                return True
+            stack.extend(_parts(item))
+        except Exception:  # an unreadable object is left as it is
+            continue
+    return False
+
+
+def _parts(obj: object) -> list[object]:
+    """What an object holds: a container's items, an instance's attributes; a module,
+    class or function holds nothing of the cell's."""
+    if isinstance(obj, dict):
+        return _first(obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return _first(obj)
+    if isinstance(obj, _NOT_HOLDERS):
+        return []
+    return _first(getattr(obj, "__dict__", {}).values())
 
 
 def _kept(device: torch.device | None, min_bytes: int) -> str:
@@ -171,12 +216,12 @@ def _on(found: _Found, device: torch.device | None) -> bool:
     return False
 
 
-def _row(name: str, obj: object) -> tuple[TensorRow, _Found] | None:
-    """The row for one name, or None when it holds no tensor."""
+def _row(name: str, obj: object) -> tuple[TensorRow | None, _Found]:
+    """The row for one name (None when it holds no tensor) and what the walk found."""
     f = _Found()
     _walk(obj, name, f)
     if not f.count and not f.storages[STATE] and not f.storages[PARAM]:
-        return None
+        return None, f
     grads = f.storages[GRAD]
     row = TensorRow(
         name=name,
@@ -192,29 +237,45 @@ def _row(name: str, obj: object) -> tuple[TensorRow, _Found] | None:
 
 
 def _walk(root: object, name: str, f: _Found) -> None:
-    """Add every tensor `root` holds to `f`, each object once, within WALK_LIMIT objects."""
+    """Add every tensor `root` holds to `f`, each object once, within WALK_LIMIT objects;
+    an object that raises when looked into (a mapping whose `values()` raises, a
+    property that raises) is skipped with a warning."""
     seen: set[int] = set()
     stack = [root]
+    looked = 0
     while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if len(seen) > WALK_LIMIT:
+        looked += 1
+        if looked > WALK_LIMIT:
             f.complete = False
             return
-        if isinstance(obj, Tensor):
-            _tensor(obj, DATA, f)
-        elif isinstance(obj, torch.nn.Module):
-            _module(obj, name, f)
-        elif isinstance(obj, torch.optim.Optimizer):
-            _optimizer(obj, name, f)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            stack.extend(getattr(obj, fl.name, None) for fl in dataclasses.fields(obj))
+        obj = stack.pop()
+        if type(obj) in _SCALARS or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        try:
+            if isinstance(obj, Tensor):
+                _tensor(obj, DATA, f)
+            elif isinstance(obj, torch.nn.Module):
+                _module(obj, name, f)
+            elif isinstance(obj, torch.optim.Optimizer):
+                _optimizer(obj, name, f)
+            elif isinstance(obj, dict):
+                stack.extend(_first(obj.values()))
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(_first(obj))
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                stack.extend([getattr(obj, fl.name, None) for fl in dataclasses.fields(obj)])
+        except Exception as err:
+            f.warnings.append(
+                f"{name}: skipped a {type(obj).__name__} that could not be read "
+                f"({type(err).__name__}: {first_sentence(err)})"
+            )
+
+
+def _first(items: Iterable[object]) -> list[object]:
+    """The first WALK_LIMIT items, last first so that the stack pops them in order: a slice,
+    not all, so that a list of a million samples is not copied whole."""
+    return list(itertools.islice(items, WALK_LIMIT))[::-1]
 
 
 def _tensor(t: Tensor, role: str, f: _Found) -> None:
@@ -271,7 +332,7 @@ def _storage(t: Tensor) -> tuple[tuple[str, int], int]:
         storage = t.untyped_storage()
         return (str(t.device), storage._cdata), storage.nbytes()
     except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
-        return (str(t.device), id(t)), t.element_size() * t.numel()
+        return (str(t.device), id(t)), _nbytes(t)
 
 
 def _kind(obj: object) -> str:

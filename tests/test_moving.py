@@ -363,39 +363,64 @@ def test_names_missing_from_the_namespace_are_ignored():
 # --- references that cannot follow --------------------------------------------------------
 
 
-def test_a_weakly_referenced_tensor_is_replaced_where_walked_and_reported():
+def refuse_swaps(monkeypatch, *refused: torch.Tensor) -> None:
+    """Make torch refuse to swap `refused` (as a C++ weak reference, or torch < 2.3, would)."""
+    swap = moving._swap_impl
+
+    def refusing(a, b):
+        if any(a is t or b is t for t in refused):
+            raise RuntimeError("Expected no weakrefs to t1's Tensor object")
+        swap(a, b)
+
+    monkeypatch.setattr(moving, "_swap_impl", refusing)
+
+
+def test_a_weakly_referenced_tensor_keeps_its_identity(target):
     t = torch.randn(2)
     ref = weakref.ref(t)
     box = {"pair": Pair(t, t), "list": [t]}
     ns = {"t": t, "box": box}
+    result = moved_all(ns, target)
+    assert ns["t"] is t and ref() is t and t.device == target
+    assert box["list"][0] is t and box["pair"] == (t, t) and result.not_followed == []
+
+
+def test_a_tensor_torch_will_not_swap_is_replaced_where_walked_and_reported(monkeypatch):
+    t = torch.randn(2)
+    refuse_swaps(monkeypatch, t)
+    box = {"pair": Pair(t, t), "list": [t]}
+    ns = {"t": t, "box": box}
     result = moved_all(ns, META)
     new = ns["t"]
-    assert new is not t and new.device == META and ref() is t and t.device == CPU
+    assert new is not t and new.device == META and t.device == CPU
     assert box["list"][0] is new and box["pair"] == (new, new) and type(box["pair"]) is Pair
     assert result.not_followed == [  # named by the first place it was found
-        "box['list'][0]: replaced by a new tensor because a weak reference to it exists; "
+        "box['list'][0]: replaced by a new tensor because torch refused to swap it; "
         "references the cell does not name keep the old one"
     ]
 
 
-def test_a_module_parameter_that_cannot_swap_is_rebound_in_module_and_optimizer():
+def test_a_module_parameter_that_cannot_swap_is_rebound_in_module_and_optimizer(monkeypatch):
     model, opt = trained()
     old = model[0].weight
-    keep = weakref.ref(old)
+    refuse_swaps(monkeypatch, old)
     moved_all({"model": model, "opt": opt}, META)
     new = model[0].weight
-    assert new is not old and keep() is old
+    assert new is not old and old.device == CPU
     assert type(new) is torch.nn.Parameter and new.device == META and new.grad.device == META
     assert opt.param_groups[0]["params"][0] is new and new in opt.state and old not in opt.state
 
 
-def test_a_base_whose_unnamed_view_holds_it_is_replaced_and_reported():
+def test_a_base_whose_unnamed_view_holds_it_moves_and_the_view_stays():
     base = torch.arange(4.0)
     view = base[1:]
     ns = {"base": base}
     result = move(ns, ["base"], META)
-    assert ns["base"].device == META and view.device == CPU
-    assert "another tensor or an autograd graph holds it" in result.not_followed[0]
+    assert ns["base"] is base and base.device == META and view.device == CPU
+    assert torch.equal(view, torch.arange(1.0, 4.0))
+    assert result.not_followed == [
+        "base: moved, but a view or an autograd graph made before still holds its old data on cpu"
+    ]
 
 
 # --- all or nothing -----------------------------------------------------------------------
@@ -534,9 +559,10 @@ def test_restore_leaves_what_the_cell_made_on_the_device():
     assert ns["x"].device == META and ns["new"].device == META
 
 
-def test_restore_puts_back_a_tensor_that_was_replaced():
+def test_restore_puts_back_a_tensor_that_was_replaced(monkeypatch):
     t = torch.ones(2)
     ref = weakref.ref(t)
+    refuse_swaps(monkeypatch, t)
     ns = {"t": t, "box": [t]}
     result = moved_all(ns, META, restorable=True)
     assert ns["t"] is not t
@@ -558,6 +584,165 @@ def test_a_restored_move_lets_go_of_the_originals():
     assert ref() is None  # `result` is still alive: a traceback may hold it
     with pytest.raises(ValueError, match="once"):
         restore(ns, result)
+
+
+# --- restore from meta gives back the very objects, whatever the cell did ------------------
+
+
+def holders(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What a restore must give back: each object, its data, grad and optimizer state."""
+    params = list(model.parameters())
+    return {
+        "params": params,
+        "values": [p.detach().clone() for p in params],
+        "grads": [p.grad for p in params],
+        "grad_values": [p.grad.clone() for p in params],
+        "buffers": list(model.buffers()),
+        "state": [dict(opt.state[p]) for p in params],
+        "moments": [opt.state[p]["exp_avg"].clone() for p in params],
+    }
+
+
+def assert_given_back(model, opt, kept: dict, box: list) -> None:
+    """The same objects, on the CPU, with their data, grads, leafness and Adam state, held by
+    the model, the optimizer and `box` (a holder the cell does not name); training works."""
+    params = list(model.parameters())
+    assert all(a is b for a, b in zip(params, kept["params"], strict=True))
+    assert all(a is b for a, b in zip(box, kept["params"], strict=True))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params, strict=True))
+    assert all(a is b for a, b in zip(model.buffers(), kept["buffers"], strict=True))
+    for p, value, grad, grad_value, state, moment in zip(
+        params, kept["values"], kept["grads"], kept["grad_values"], kept["state"],
+        kept["moments"], strict=True,
+    ):
+        assert p.device == CPU and p.is_leaf and p.requires_grad and torch.equal(p, value)
+        assert p.grad is grad and torch.equal(grad, grad_value)
+        assert opt.state[p]["exp_avg"] is state["exp_avg"]
+        assert torch.equal(state["exp_avg"], moment)
+    assert len(opt.state_dict()["state"]) == len(params)  # KeyError on a parameter left behind
+    opt.zero_grad()
+    model(torch.randn(8, 3)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(params[0], kept["values"][0])  # training changes the model
+    assert int(opt.state[params[0]]["step"]) == 2  # Adam goes on from its moments
+
+
+@pytest.mark.parametrize("named", [["model"], ["model", "opt"]])
+def test_restore_from_meta_gives_back_the_objects_when_the_cells_graph_survives(named):
+    model, opt = trained()
+    kept = holders(model, opt)
+    box = list(kept["params"])
+    ns = {"model": model, "opt": opt, "x": torch.randn(8, 3)}
+    result = move(ns, [*named, "x"], META, restorable=True)
+    ns["loss"] = model(ns["x"]).pow(2).sum()  # kept: its graph holds the meta tensors
+    ns["Out"] = {1: ns["loss"]}
+    restore(ns, result)
+    assert ns["loss"].device == META  # what the cell made stays
+    assert_given_back(model, opt, kept, box)
+
+
+def test_restore_from_meta_gives_back_the_objects_when_a_traceback_holds_the_meta_ones():
+    model, opt = trained()
+    kept = holders(model, opt)
+    box = list(kept["params"])
+    ns = {"model": model}
+    result = move(ns, ["model"], META, restorable=True)
+
+    def forward() -> None:
+        hidden = model[0](torch.ones(2, 3, device=META))  # noqa: F841 (the frame keeps it)
+        model(torch.ones(2, 5, device=META))  # a shape error, what meta is used to find
+
+    with pytest.raises(RuntimeError) as failed:
+        forward()
+    restore(ns, result)
+    assert failed.tb is not None  # its frames are still alive
+    assert_given_back(model, opt, kept, box)
+
+
+def test_restore_from_meta_gives_back_a_tensor_the_cell_made_a_view_of():
+    a = torch.arange(6.0)
+    buffers = torch.nn.Module()
+    buffers.register_buffer("a", a)
+    box, mapping = [a], {"a": a}
+    ns = {"a": a}
+    result = move(ns, ["a"], META, restorable=True)
+    ns["v"] = a[2:]  # a view of the meta tensor
+    restore(ns, result)
+    assert ns["a"] is a and box[0] is a and mapping["a"] is a and buffers.a is a
+    assert a.device == CPU and torch.equal(a, torch.arange(6.0))
+    assert ns["v"].device == META
+
+
+def test_restore_from_meta_gives_back_a_tensors_autograd_history():
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 3).sum()
+    box = [loss]
+    ns = {"loss": loss}
+    result = move(ns, ["loss"], META, restorable=True)
+    assert ns["loss"].shape == ()  # the cell only reads it
+    restore(ns, result)
+    assert ns["loss"] is loss and box[0] is loss and loss.device == CPU
+    assert loss.grad_fn is not None and loss.item() == 9
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((3,), 3.0))
+
+
+def test_restore_from_meta_gives_back_leafness_grads_and_hooks():
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    grad = w.grad
+    w.register_hook(lambda g: g * 10)
+    ns = {"w": w}
+    result = move(ns, ["w"], META, restorable=True)
+    w.grad = None  # as zero_grad() does
+    restore(ns, result)
+    assert w.is_leaf and w.requires_grad and w.grad is grad and w.device == CPU
+    w.sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 10.0))
+
+
+# --- every move keeps what a tensor carries -------------------------------------------------
+
+
+def test_autograd_hooks_still_run_after_a_move():
+    w = torch.ones(3, requires_grad=True)
+    p = torch.nn.Parameter(torch.ones(3))
+    calls = []
+    w.register_hook(lambda g: calls.append("pre") or g * 10)
+    p.register_post_accumulate_grad_hook(lambda t: calls.append("post"))
+    ns = {"w": w, "p": p}
+    moved_all(ns, META)
+    (w * p).sum().backward()
+    assert calls == ["pre", "post"] and w.grad.device == META
+
+
+def test_lazy_conjugate_and_negative_views_keep_their_bits():
+    c = torch.randn(4, dtype=torch.cfloat)
+    r = torch.randn(4)
+    ns = {"c": c, "cc": c.conj(), "r": r, "n": r._neg_view()}
+    moved_all(ns, META)
+    assert ns["cc"].is_conj() and not c.is_conj() and storage(ns["cc"]) == storage(c)
+    assert ns["n"].is_neg() and not r.is_neg() and storage(ns["n"]) == storage(r)
+
+
+def test_lbfgs_state_in_lists_follows_its_parameters():
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.LBFGS([w], history_size=3, max_iter=4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (w**4).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    state = opt.state[w]
+    lists = [state[k] for k in ("old_dirs", "old_stps", "ro", "al")]
+    tensors = [t for items in lists for t in items if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.device == CPU for t in tensors)
+    move({"opt": opt}, ["opt"], META)
+    assert w.device == META and all(t.device == META for t in tensors)
+    assert state["d"].device == META and state["prev_flat_grad"].device == META
 
 
 # --- reporting ----------------------------------------------------------------------------

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import signal
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -518,6 +521,108 @@ def test_a_meta_tensor_cannot_move_to_the_cpu_and_nothing_changes():
     with pytest.raises(DeviceMagicError, match="on the meta device, which holds no data"):
         moved_all(ns, CPU)
     assert ns["m"] is m and m.device == META
+
+
+class Two(tuple):
+    """A tuple subclass whose constructor takes two arguments: rebuilding it fails."""
+
+    def __new__(cls, a, b):
+        return super().__new__(cls, (a, b))
+
+
+def test_an_error_in_the_commit_undoes_it_and_says_so_in_one_line(monkeypatch):
+    ns = workload()
+    t = torch.randn(2)
+    ns["odd"] = Two(t, "label")
+    refuse_swaps(monkeypatch, t)  # so that its holder must be rebuilt, after the others moved
+    before = snapshot(ns)
+    with pytest.raises(DeviceMagicError) as info:
+        moved_all(ns, META)
+    message = str(info.value)
+    assert message.startswith("Could not move to meta: TypeError: ") and "\n" not in message
+    assert message.endswith("; nothing was moved.")
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert_unchanged(ns, before)
+    assert ns["odd"][0] is t and t.device == CPU
+
+
+BIG = 300_000
+
+
+def interrupted_move(ns: dict, restorable: bool, delay: float, when):
+    """`move` with a real SIGINT sent `delay` seconds after `when` (the start, or the first
+    swap): the result, or None where the interrupt stopped it."""
+    def send() -> threading.Timer:
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        timers.append(timer)
+        return timer
+
+    timers: list[threading.Timer] = []
+    try:
+        if when == "start":
+            send()
+        result = move(ns, ["big"], META, restorable=restorable)
+        for timer in timers:
+            timer.join()  # the signal is sent; Python handles it within a few bytecodes
+        for _ in range(10_000):
+            pass
+        return result
+    except KeyboardInterrupt:
+        for timer in timers:
+            timer.join()
+        return None
+
+
+@pytest.mark.parametrize(("when", "delay", "restorable"), [
+    ("commit", 0.0, True), ("commit", 0.0, False), ("commit", 0.005, True),
+    ("commit", 0.02, False), ("start", 0.1, True), ("start", 0.4, False),
+])
+def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
+    monkeypatch, restorable, when, delay
+):
+    tensors = [torch.full((1,), float(i)) for i in range(BIG)]
+    ns = {"big": tensors}
+    if when == "commit":  # a signal sent once the commit started: it lands in it or after
+        swap_all = moving._swap_all
+
+        def swapping(*args, **kwargs):
+            if not armed:
+                armed.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)))
+                armed[0].start()
+            return swap_all(*args, **kwargs)
+
+        armed: list[threading.Timer] = []
+        monkeypatch.setattr(moving, "_swap_all", swapping)
+    result = interrupted_move(ns, restorable, delay, when)
+    if when == "commit":
+        armed[0].join()
+    assert ns["big"] is tensors
+    devices = {t.device.type for t in tensors}
+    assert devices == ({"meta"} if result is not None else {"cpu"})  # never a mix
+    if restorable:
+        if result is not None:
+            restore(ns, result)
+        assert all(t.device == CPU for t in tensors)
+        assert torch.equal(torch.cat(tensors), torch.arange(float(BIG)))  # no data lost
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_during_a_restore_waits_until_it_ends(monkeypatch):
+    tensors = [torch.full((1,), float(i)) for i in range(1000)]
+    ns = {"big": tensors}
+    result = move(ns, ["big"], META, restorable=True)
+    swap_all = moving._swap_all
+
+    def swapping(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # at once, before the swaps back
+        return swap_all(*args, **kwargs)
+
+    monkeypatch.setattr(moving, "_swap_all", swapping)
+    with pytest.raises(KeyboardInterrupt):
+        restore(ns, result)
+    assert all(t.device == CPU for t in tensors)
+    assert torch.equal(torch.cat(tensors), torch.arange(1000.0))
 
 
 # --- restore ------------------------------------------------------------------------------

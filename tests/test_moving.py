@@ -7,6 +7,7 @@ import copy
 import os
 import signal
 import threading
+import tracemalloc
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -359,6 +360,59 @@ def test_other_objects_are_left_untouched():
     assert holder.t.device == CPU and result.names == {}
 
 
+def test_a_walk_stops_after_its_limit_and_says_what_it_did_not_walk(monkeypatch):
+    monkeypatch.setattr(moving, "WALK_LIMIT", 1000)
+    first, last = torch.zeros(1), torch.zeros(1)
+    samples = [(first, "a"), *[(i, "label") for i in range(5000)], (last, "z")]
+    result = move({"samples": samples, "x": torch.zeros(2)}, ["samples", "x"], META)
+    assert first.device == META and last.device == CPU  # the walk stopped before it
+    assert result.skipped == ["samples past its first 1,000 objects other than tensors"]
+    assert result.names == {"samples": 4, "x": 8}
+    assert "not walked: samples past its first 1,000" in result.table().text()
+
+
+def test_a_million_samples_cost_a_bounded_walk():
+    np = pytest.importorskip("numpy")
+    t = torch.zeros(1)
+    samples = [(np.zeros(2), 0)] * 1_000_000  # one sample a million times: cheap to build
+    tracemalloc.start()
+    try:
+        result = move({"data": samples, "t": t}, ["data", "t"], META)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20  # the walk does not hold a million entries at once
+    assert result.skipped == ["data past its first 100,000 objects other than tensors"]
+    assert t.device == META
+
+
+class RaisingItems(dict):
+    def items(self):
+        raise RuntimeError("no items today. Really")
+
+
+@dataclass
+class RaisingField:
+    t: torch.Tensor
+
+    def __getattribute__(self, name: str):
+        if name == "t":
+            raise ValueError("cannot read t")
+        return super().__getattribute__(name)
+
+
+def test_objects_that_raise_when_walked_are_skipped_and_named():
+    hidden, ok = torch.zeros(1), torch.zeros(2)
+    ns = {"bad": RaisingItems(t=hidden), "box": [RaisingField(hidden)], "ok": ok}
+    result = moved_all(ns, META)
+    assert ok.device == META and hidden.device == CPU
+    assert result.skipped == [
+        "bad, where its RaisingItems raised RuntimeError: no items today",
+        "box[0], where its RaisingField raised ValueError: cannot read t",
+    ]
+    assert "not walked: bad, where its RaisingItems raised" in result.table().text()
+
+
 def test_names_missing_from_the_namespace_are_ignored():
     assert move({}, ["nope"], META).names == {}
 
@@ -398,7 +452,7 @@ def test_a_tensor_torch_will_not_swap_is_replaced_where_walked_and_reported(monk
     assert new is not t and new.device == META and t.device == CPU
     assert box["list"][0] is new and box["pair"] == (new, new) and type(box["pair"]) is Pair
     assert result.not_followed == [  # named by the first place it was found
-        "box['list'][0]: replaced by a new tensor because torch refused to swap it; "
+        "box['pair'][0]: replaced by a new tensor because torch refused to swap it; "
         "references the cell does not name keep the old one"
     ]
 

@@ -150,6 +150,18 @@ def test_without_a_device_the_session_device_is_used(ip, ns):
     assert ns["x"].device == META and ns["y"].device == META
 
 
+def test_all_skips_and_names_what_raises_when_walked(ip, ns, capsys):
+    ip.run_cell(
+        "class Bad(dict):\n    def items(self):\n        raise RuntimeError('no')\n"
+        "bad = Bad(t=torch.ones(1))"
+    )
+    ip.run_cell("%%ondevice meta --all -v\npass")
+    assert ns["bystander"].device == META and ns["bad"]["t"].device.type == "cpu"
+    assert "not walked: bad, where its Bad raised RuntimeError: no" in capsys.readouterr().out
+    ip.run_cell("%device meta --move")
+    assert ns["x"].device == META
+
+
 def test_device_move_moves_everything_and_sets_the_session_device(ip, ns, capsys):
     ip.run_cell("%device --move meta")
     assert capsys.readouterr().out.startswith("device = meta\nmoved ")

@@ -87,6 +87,9 @@ _WALKABLE[type(None)] = False
 # Where a tensor was found, formatted only when a message needs it:
 # (parent, key, is_attribute), the parent None at a root name.
 _Where = tuple
+# What the walk has still to read of a container: (its (key, value) pairs, where it is,
+# whether the keys are attributes, the target its tensors inherit).
+_Frame = tuple
 
 
 def cell_names(source: str) -> set[str]:
@@ -221,38 +224,54 @@ class _Plan:
         self._group()
 
     def _walk(self, root: object, name: str) -> None:
-        stack = self._entries([(name, root)], None, False, None)
+        # Depth first, in order, one container's entries at a time: the stack holds an
+        # iterator a container (not every entry), so a list of a million samples costs
+        # nothing until it is read, and the walk stops where its budget runs out.
+        stack: list[_Frame] = [(iter([(name, root)]), None, False, None)]
         while stack and self.budget >= 0:
-            obj, where, inherited = stack.pop()
+            entries, where, is_attr, inherited = stack[-1]
+            try:
+                found = self._entries(entries, where, is_attr, inherited)
+            except Exception as exc:  # reading on raised: what was read is planned
+                stack.pop()
+                self._skip(where, "reading its entries", exc)
+                continue
+            if found is None:
+                stack.pop()
+                continue
+            obj, at, target = found
             if id(obj) in self.seen:  # containers, modules, optimizers
                 continue
             self.seen.add(id(obj))
             try:
-                stack += self._expand(obj, where, inherited)
+                stack += reversed(self._expand(obj, at, target))
             except Exception as exc:  # a mapping whose items() raises, a property that does
-                self.skipped.append(
-                    f"{_label(where)}, whose {type(obj).__name__} raised "
-                    f"{type(exc).__name__}: {first_sentence(exc)}"
-                )
+                self._skip(at, f"its {type(obj).__name__}", exc)
 
-    def _expand(self, obj: object, where: _Where, inherited) -> list:
-        """Plan the tensors `obj` holds; return what else to walk."""
+    def _skip(self, where: _Where, what: str, exc: Exception) -> None:
+        self.skipped.append(
+            f"{_label(where)}, where {what} raised {type(exc).__name__}: {first_sentence(exc)}"
+        )
+
+    def _expand(self, obj: object, where: _Where, inherited) -> list[_Frame]:
+        """Plan the tensors of a module or optimizer; return the entries to walk (frames)."""
         if isinstance(obj, torch.nn.Module):
             return self._module(obj, where, inherited)
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(obj, where, inherited)
         if isinstance(obj, dict):
-            return self._entries(obj.items(), where, False, inherited)
+            return [(iter(obj.items()), where, False, inherited)]
         if isinstance(obj, (list, tuple)):
-            return self._entries(enumerate(obj), where, False, inherited)
+            return [(enumerate(obj), where, False, inherited)]
         fields = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        return self._entries(fields, where, True, inherited)
+        return [(iter(fields), where, True, inherited)]
 
     def _entries(
-        self, entries: Iterable[tuple], where: _Where | None, is_attr: bool, inherited
-    ) -> list[tuple[object, _Where, torch.device | None]]:
-        """Plan the tensors among `entries`, the (key, value) pairs of what was found at `where`;
-        return the other values to walk, with where they are and the target they inherit."""
+        self, entries: Iterator[tuple], where: _Where | None, is_attr: bool, inherited
+    ) -> tuple[object, _Where, torch.device | None] | None:
+        """Plan the tensors among `entries`, the (key, value) pairs of what was found at `where`,
+        up to the next value to walk: return it, with where it is and the target it inherits,
+        or None when none is left (or the budget is spent)."""
         # The hot path of a move, one pass per tensor with no call of its own: each torch
         # attribute read here costs about as much as the Python around it. A tensor found
         # again is planned again, and `_group` drops it (its storage key gives it away):
@@ -260,7 +279,6 @@ class _Plan:
         tensors, targets, found_at = self.tensors, self.targets, self.where
         device, home = self.device, self.home
         walkable, budget = _WALKABLE, self.budget
-        rest = []
         for key, t in entries:
             if not isinstance(t, Tensor):
                 budget -= 1  # a list of a million (array, label) pairs stops here
@@ -270,7 +288,8 @@ class _Plan:
                 if entered is None:
                     entered = _walkable(type(t))
                 if entered:
-                    rest.append((t, (where, key, is_attr), inherited))
+                    self.budget = budget
+                    return t, (where, key, is_attr), inherited
                 continue
             target = device if home is None else home.get(id(t), inherited)
             if target is None or t.device == target:
@@ -287,11 +306,11 @@ class _Plan:
             grad = t.grad  # a tensor that does not require grad may still have one
             if grad is not None and id(t) not in self.grads:  # (grads can form a cycle)
                 self.grads[id(t)] = (t, grad)
-                self._entries([("grad", grad)], label, True, target)
+                self._entries(iter([("grad", grad)]), label, True, target)
         self.budget = budget
-        return rest
+        return None
 
-    def _module(self, module: torch.nn.Module, where: _Where, inherited) -> list:
+    def _module(self, module: torch.nn.Module, where: _Where, inherited) -> list[_Frame]:
         if self.module_targets is not None:
             inherited = self.module_targets.get(id(module), inherited)
         for prefix, sub in module.named_modules():
@@ -300,16 +319,17 @@ class _Plan:
                 found = [(k, t) for k, t in kind.items() if t is not None and not _is_lazy(t)]
                 if found:
                     self.module_home.setdefault(id(module), found[0][1].device)
-                    self._entries(found, label, True, inherited)
+                    self._entries(iter(found), label, True, inherited)
         return []
 
-    def _optimizer(self, opt: torch.optim.Optimizer, where: _Where, inherited) -> list:
+    def _optimizer(self, opt: torch.optim.Optimizer, where: _Where, inherited) -> list[_Frame]:
         self.optimizers.append(opt)
-        rest = []
+        frames = []
         for g, group in enumerate(opt.param_groups):
             step_stays = not (group.get("capturable") or group.get("fused"))
             params = group["params"]
-            self._entries([(g, p) for p in params], (where, "param_groups", True), False, inherited)
+            found = [(g, p) for p in params]
+            self._entries(iter(found), (where, "param_groups", True), False, inherited)
             for k, p in enumerate(params):
                 target = self.device if self.home is None else self.home.get(id(p), inherited)
                 state = [
@@ -318,8 +338,8 @@ class _Plan:
                     if not (key == "step" and step_stays)
                 ]
                 label = ((where, "state", True), f"<param {g}.{k}>", False)
-                rest += self._entries(state, label, False, target)  # LBFGS keeps lists of them
-        return rest
+                frames.append((iter(state), label, False, target))  # LBFGS keeps lists of them
+        return frames
 
     def _group(self) -> None:
         """Drop the tensors found twice, find those that share a storage (views, `.data`

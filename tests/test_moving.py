@@ -6,8 +6,10 @@ import collections
 import copy
 import os
 import signal
+import sys
 import threading
 import tracemalloc
+import types
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -926,6 +928,38 @@ def test_a_big_move_shows_a_progress_bar_that_goes_away(monkeypatch, capsys):
     moved_all({"x": torch.zeros(256)}, META)
     err = capsys.readouterr().err
     assert "moving to meta" in err and err.endswith("\r")  # leave=False clears the line
+
+
+def test_without_ipywidgets_the_bar_is_text_not_a_widget_that_warns(monkeypatch, capsys):
+    # In Jupyter without ipywidgets, tqdm.auto's widget warns "IProgress not found".
+    widget = types.ModuleType("tqdm.auto")
+
+    def notebook_bar(*args, **kwargs):
+        raise AssertionError("IProgress not found. Please update jupyter and ipywidgets.")
+
+    widget.tqdm = notebook_bar
+    monkeypatch.setitem(sys.modules, "tqdm.auto", widget)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # cannot be imported
+    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    moved_all({"x": torch.zeros(256)}, META)
+    assert "moving to meta" in capsys.readouterr().err
+
+
+def test_a_restore_from_meta_says_what_it_did():
+    ns = {"x": torch.zeros(256), "y": [torch.zeros(2), torch.ones(2)]}
+    back = restore(ns, moved_all(ns, META, restorable=True))
+    title = back.table().text().splitlines()[0]
+    assert title == "restored 3 tensors from meta (the originals put back)"
+
+
+@pytest.mark.parametrize("up", [False, True])
+def test_timings_wait_for_an_accelerator_only_where_its_runtime_is_up(monkeypatch, up):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: up)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    for dev in ("cpu", "meta", "cuda:0"):
+        moving._sync(torch.device(dev))
+    assert synced == ([torch.device("cuda:0")] if up else [])
 
 
 def test_a_small_move_shows_nothing(capsys):

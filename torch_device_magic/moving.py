@@ -43,6 +43,7 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -198,7 +199,8 @@ class _Plan:
         self.seen: set[int] = set()  # containers, modules, optimizers walked already
         # One entry per tensor, in the order found; the lists below hold indices into them.
         self.tensors: list[Tensor] = []
-        self.targets: list[torch.device] = []
+        # Each tensor's target: a list when restoring, else one device for all.
+        self.targets: list[torch.device] | _Same = [] if device is None else _Same(device)
         self.where: list[_Where] = []
         self.nbytes: list[int] = []  # what each copy takes (a shared storage: all on its first)
         self.shared: dict[int, list[int]] = {}  # a storage's first tensor -> all that share it
@@ -279,6 +281,7 @@ class _Plan:
         tensors, targets, found_at = self.tensors, self.targets, self.where
         device, home = self.device, self.home
         walkable, budget = _WALKABLE, self.budget
+        to_meta = device is not None and device.type == "meta"
         for key, t in entries:
             if not isinstance(t, Tensor):
                 budget -= 1  # a list of a million (array, label) pairs stops here
@@ -291,12 +294,17 @@ class _Plan:
                     self.budget = budget
                     return t, (where, key, is_attr), inherited
                 continue
-            target = device if home is None else home.get(id(t), inherited)
-            if target is None or t.device == target:
-                continue
+            if home is None:
+                if t.is_meta if to_meta else t.device == device:  # is_meta: 30 ns less
+                    continue
+                target = device
+            else:
+                target = home.get(id(t), inherited)
+                if target is None or t.device == target:
+                    continue
+                targets.append(target)
             label = (where, key, is_attr)
             tensors.append(t)
-            targets.append(target)
             found_at.append(label)
             if t.requires_grad:  # else it is a leaf
                 if not t.is_leaf:
@@ -371,10 +379,11 @@ class _Plan:
         if all(keep):
             return keys
         index = list(itertools.accumulate(keep, initial=0))  # each old index's new one
-        self.tensors, self.targets, self.where, keys = (
-            list(itertools.compress(column, keep))
-            for column in (self.tensors, self.targets, self.where, keys)
+        self.tensors, self.where, keys = (
+            list(itertools.compress(column, keep)) for column in (self.tensors, self.where, keys)
         )
+        if isinstance(self.targets, list):
+            self.targets = list(itertools.compress(self.targets, keep))
         self.names = [(name, index[a], index[b]) for name, a, b in self.names]
         self.requiring_grad = [index[i] for i in self.requiring_grad if keep[i]]
         self.with_history = [index[i] for i in self.with_history if keep[i]]
@@ -393,6 +402,19 @@ class _Plan:
             if isinstance(v, Tensor) and id(v) not in planned
         ]
         return mappings, values
+
+
+class _Same:
+    """The targets of a move that sends everything to one device, without a list."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __getitem__(self, i: int) -> torch.device:
+        return self.device
+
+    def __iter__(self) -> Iterator[torch.device]:
+        return itertools.repeat(self.device)
 
 
 def _walkable(cls: type) -> bool:
@@ -448,7 +470,7 @@ def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | N
 
 
 def _first_target(plan: _Plan) -> torch.device:
-    return plan.targets[0] if plan.targets else torch.device("cpu")
+    return plan.targets[0] if plan.tensors else torch.device("cpu")
 
 
 def _copy_all(plan: _Plan) -> list[Tensor] | str:
@@ -574,9 +596,7 @@ def _commit(
             ]
             undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
         else:
-            for i in refused:
-                news[i] = None  # a copy in use, not an old tensor
-            notes += _left_behind(plan, news)
+            notes += _left_behind(plan, news, refused)
         undo_log.clear()
         news.clear()  # frees the old data
     if failure is not None:
@@ -628,16 +648,25 @@ def _swap_all(olds: list[Tensor], news: list[Tensor], skip: set[int] = frozenset
     then holds the old one. Returns the indices torch refused. Swapping again undoes it."""
     if _swap_impl is None:  # torch < 2.3
         return [i for i in range(len(olds)) if i not in skip]
-    refused = []
     # Unlike `torch.utils.swap_tensors`, with no check that nothing else holds the old C++
     # tensor: whatever does (a view, an autograd graph) keeps it, as it was.
-    for i, (t, new) in enumerate(zip(olds, news)):
-        if skip and i in skip:
+    refused: list[int] = []
+    done: collections.deque = collections.deque(maxlen=1)  # the last index swapped
+    start = 0
+    while start < len(olds):
+        if start in skip:
+            start += 1
             continue
-        try:
-            _swap_impl(t, new)
+        end = min((i for i in skip if i > start), default=len(olds))
+        done.clear()
+        try:  # the loop in C: about 40 ns a tensor less than in Python
+            done.extend(zip(range(start, end), map(_swap_impl, olds[start:end], news[start:end])))
         except RuntimeError:  # a C++ weak reference to it
-            refused.append(i)
+            failed = done[0][0] + 1 if done else start
+            refused.append(failed)
+            start = failed + 1
+            continue
+        start = end
     return refused
 
 
@@ -650,12 +679,16 @@ def _carry_hooks(t: Tensor) -> None:
             setattr(t, name, hooks)
 
 
-def _left_behind(plan: _Plan, olds: list[Tensor]) -> list[str]:
-    """Notes for the old C++ tensors (held by the swapped copies, `olds`) that something other
-    than the move holds: an autograd graph, a view the cell does not name."""
+def _left_behind(plan: _Plan, olds: list[Tensor], refused: list[int]) -> list[str]:
+    """Notes for the old C++ tensors (held by the swapped copies, `olds`, but at `refused`)
+    that something other than the move holds: an autograd graph, a view the cell does not
+    name."""
     # Each old one is held once by its copy; more means another holder, unless it is a
     # view's base or a grad that the move holds as well: those go once the others go.
-    held = [(i, old) for i, old in enumerate(olds) if old is not None and old._use_count() > 1]
+    for i in refused:
+        olds[i] = torch.empty(0)  # a copy in use, not an old tensor
+    counts = map(Tensor._use_count, olds)
+    held = [(i, olds[i]) for i, n in enumerate(counts) if n > 1]
     if not held:
         return []
     keep = {i for i, _ in held}

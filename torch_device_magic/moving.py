@@ -50,6 +50,7 @@ import functools
 import gc
 import importlib.util
 import itertools
+import operator
 import signal
 import threading
 import time
@@ -72,6 +73,7 @@ _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
 # `t.untyped_storage()._cdata` without building a storage object on the way
 _storage_id = getattr(torch._C, "_storage_id", lambda t: t.untyped_storage()._cdata)
+_NBYTES = operator.attrgetter("nbytes")
 _OOM = getattr(torch, "OutOfMemoryError", ())
 _COMPRESSED = ("values", "crow_indices", "col_indices")
 _SPARSE_PARTS = {
@@ -353,7 +355,7 @@ class _Plan:
         """Drop the tensors found twice, find those that share a storage (views, `.data`
         aliases), and count each copy's bytes."""
         try:
-            keys = [_storage_id(t) for t in self.tensors]
+            keys = list(map(_storage_id, self.tensors))
             stored = True  # so none is sparse, the only kind whose `nbytes` misleads
         except (RuntimeError, NotImplementedError):  # a sparse or other storage-less tensor
             keys = [_storage_key(t) for t in self.tensors]
@@ -366,7 +368,7 @@ class _Plan:
                 if j != i:
                     self.shared.setdefault(j, [j]).append(i)
         tensors = self.tensors
-        self.nbytes = [t.nbytes for t in tensors] if stored else [_nbytes(t) for t in tensors]
+        self.nbytes = list(map(_NBYTES if stored else _nbytes, tensors))
         for j, members in self.shared.items():
             self.nbytes[j] = _span([tensors[i] for i in members])[1]
             for i in members[1:]:

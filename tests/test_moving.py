@@ -444,6 +444,19 @@ def test_a_weakly_referenced_tensor_keeps_its_identity(target):
     assert box["list"][0] is t and box["pair"] == (t, t) and result.not_followed == []
 
 
+def test_a_dict_of_tensors_keeps_identity_wherever_it_is_observable(target):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = {f"t{i}": torch.zeros(4) for i in range(100)}  # as in the benchmark
+    d["w"] = model.weight
+    alias, ref = d["t0"], weakref.ref(d["t1"])
+    ns = {"d": d, "alias": alias}
+    move(ns, ["d"], target)
+    assert ns["d"] is d and d["t0"] is alias and ref() is d["t1"]
+    assert model.weight is d["w"] and opt.param_groups[0]["params"][0] is d["w"]
+    assert all(t.device == target for t in d.values())
+
+
 def test_a_tensor_torch_will_not_swap_is_replaced_where_walked_and_reported(monkeypatch):
     t = torch.randn(2)
     refuse_swaps(monkeypatch, t)

@@ -244,6 +244,39 @@ def test_grad_of_a_frozen_parameter_moves_too(target):
     assert p.grad is not None and p.grad.device == target
 
 
+def test_a_backward_through_a_graph_made_before_the_move_fails_and_says_why():
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()  # its graph holds w's old C++ tensor
+    result = move({"w": w}, ["w"], META)
+    assert result.not_followed == [
+        "w: moved, but a view or an autograd graph made before still holds its old data on cpu"
+    ]
+    with pytest.raises(RuntimeError, match="w was moved to another device after this"):
+        loss.backward()
+
+
+def test_where_data_can_be_set_a_graph_made_before_sees_the_move():
+    # Between devices of one kind (cpu and cuda), a tensor that a graph holds gets `.data`
+    # after the commit, so that a backward pass through that graph still reaches it. Here
+    # on the CPU, with a copy on the CPU standing for one on another device.
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    grad = w.grad
+    loss = (w * 2).sum()
+    copy = w.detach().clone().requires_grad_()
+    copy.grad = grad
+    moving._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
+    plan = moving._Plan(CPU)
+    plan.tensors, plan.where, plan.grads = [w], [(None, "w", False)], {id(w): (w, grad)}
+    notes = moving._held_elsewhere(plan, [copy], [])
+    assert notes == [
+        "w: moved with .data because an autograd graph or a view holds it; "
+        "views of its old storage and autograd graphs that saved it stay behind"
+    ]
+    loss.backward()
+    assert w.grad is grad and torch.equal(w.grad, torch.full((3,), 2.0))
+
+
 def test_a_tensor_with_history_arrives_without_it_and_says_so():
     w = torch.randn(3, requires_grad=True)
     y = w * 2

@@ -579,10 +579,11 @@ def _commit(
     not change. An error undoes what was done and says so in one line; so does SIGINT,
     which waits for the commit to end, then goes on."""
     undo_log: list[Callable[[], object]] = []  # what undoes each change made, run last first
+    keep_originals = undo is not None and undo.originals is not None
     failure = None
     with _sigint_held() as interrupted:
         try:
-            notes, replaced, refused = _apply(ns, plan, news, undo_log)
+            notes, replaced, refused = _apply(ns, plan, news, undo_log, keep_originals)
         except Exception as exc:
             failure = (
                 f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
@@ -591,15 +592,14 @@ def _commit(
         if failure is not None or interrupted:
             for step in reversed(undo_log):
                 step()
-        elif undo is not None and undo.originals is not None:  # each copy holds an original
+        elif keep_originals:  # each swapped copy holds an original
             skip = set(refused)
             undo.originals += [
                 (t, k) for i, (t, k) in enumerate(zip(plan.tensors, news)) if i not in skip
             ]
             undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
-        else:
-            notes += _left_behind(plan, news, refused)
-        undo_log.clear()
+        else:  # done: what follows needs no undoing
+            notes += _held_elsewhere(plan, news, refused)
         news.clear()  # frees the old data
     if failure is not None:
         raise DeviceMagicError(failure)  # outside the except block: no tensors ride on it
@@ -607,7 +607,11 @@ def _commit(
 
 
 def _apply(
-    ns: dict, plan: _Plan, news: list[Tensor], undo_log: list[Callable[[], object]]
+    ns: dict,
+    plan: _Plan,
+    news: list[Tensor],
+    undo_log: list[Callable[[], object]],
+    keep_originals: bool,
 ) -> tuple[list[str], dict[int, Tensor], list[int]]:
     """The commit's changes, each logged in `undo_log` with what undoes it; returns the notes,
     the new tensors that replace those (by index) that could not be changed in place, and
@@ -643,6 +647,44 @@ def _apply(
         _rebind(ns, [name for name, _, _ in plan.names], by_id, undo_log)
     _reattach_grads(plan.grads.values(), by_id)
     return notes, replaced, refused
+
+
+def _held_elsewhere(plan: _Plan, olds: list[Tensor], refused: list[int]) -> list[str]:
+    """After a commit, the old C++ tensors (held by the swapped copies, `olds`, but at
+    `refused`) that something outside the move holds (an autograd graph, a view the move
+    does not include): where torch allows it (not to or from meta), their tensors get them
+    back with the new data (`.data`), so that those holders see the move too; else a
+    backward pass through such a graph fails, saying why. Returns the notes."""
+    # Each old one is held once by its copy; more means another holder, unless it is a
+    # view's base or a grad that the move holds as well: those go once the others go.
+    for i in refused:
+        olds[i] = torch.empty(0)  # a copy in use, not an old tensor
+    counts = map(Tensor._use_count, olds)
+    held = [i for i, n in enumerate(counts) if n > 1]
+    if not held:
+        return []
+    keep = set(held)
+    olds[:] = [old if i in keep else None for i, old in enumerate(olds)]
+    notes = []
+    for i in held:
+        t, old, what = plan.tensors[i], olds[i], _label(plan.where[i])
+        if old._use_count() == 1:
+            continue
+        if torch._has_compatible_shallow_copy_type(t, old):
+            _swap_impl(t, old)  # `t` gets its old C++ tensor back, then the new data
+            t.data = old
+            _reattach_grads([plan.grads[id(t)]] if id(t) in plan.grads else [], {})
+            notes.append(
+                f"{what}: moved with .data because an autograd graph or a view holds it; "
+                "views of its old storage and autograd graphs that saved it stay behind"
+            )
+        else:
+            _poison(old, what)
+            notes.append(
+                f"{what}: moved, but a view or an autograd graph made before still holds "
+                f"its old data on {old.device}"
+            )
+    return notes
 
 
 def _swap_all(olds: list[Tensor], news: list[Tensor], skip: set[int] = frozenset()) -> list[int]:
@@ -681,26 +723,20 @@ def _carry_hooks(t: Tensor) -> None:
             setattr(t, name, hooks)
 
 
-def _left_behind(plan: _Plan, olds: list[Tensor], refused: list[int]) -> list[str]:
-    """Notes for the old C++ tensors (held by the swapped copies, `olds`, but at `refused`)
-    that something other than the move holds: an autograd graph, a view the cell does not
-    name."""
-    # Each old one is held once by its copy; more means another holder, unless it is a
-    # view's base or a grad that the move holds as well: those go once the others go.
-    for i in refused:
-        olds[i] = torch.empty(0)  # a copy in use, not an old tensor
-    counts = map(Tensor._use_count, olds)
-    held = [(i, olds[i]) for i, n in enumerate(counts) if n > 1]
-    if not held:
-        return []
-    keep = {i for i, _ in held}
-    olds[:] = [None if i not in keep else old for i, old in enumerate(olds)]
-    return [
-        f"{_label(plan.where[i])}: moved, but a view or an autograd graph made before still "
-        f"holds its old data on {old.device}"
-        for i, old in held
-        if old._use_count() > 1
-    ]
+def _poison(old: Tensor, what: str) -> None:
+    """Make a backward pass through a graph made before the move fail, saying why, instead
+    of putting its gradient into the old tensor that nobody sees (as swap_tensors does)."""
+    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)  # torch >= 2.2
+    if edge is None or not (old.is_leaf and old.requires_grad):
+        return
+
+    def refuse(grad_outputs: object) -> None:
+        raise RuntimeError(
+            f"{what} was moved to another device after this autograd graph was made; "
+            "run the forward pass again"
+        )
+
+    edge(old).node.register_prehook(refuse)
 
 
 def _like(t: Tensor, new: Tensor) -> Tensor:

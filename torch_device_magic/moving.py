@@ -21,11 +21,15 @@ Three phases, so that a failure changes nothing:
    (the last step of `torch.utils.swap_tensors`), so the Python object keeps
    its identity, class (a Parameter stays a Parameter), attributes and
    autograd hooks, and every reference to it, weak ones too, sees the move.
-   What else held the old C++ tensor (a view the cell does not name, an
-   autograd graph) keeps it, on the old device: the result says so. Only where
-   torch cannot swap (before 2.3) is `.data` set, or else the holders we walked
-   rebound to a new tensor. Leaves stay leaves with `requires_grad`, `.grad` is
-   moved and reattached; a tensor with an autograd history arrives without it.
+   Where something else holds the old C++ tensor (a view the cell does not
+   name, an autograd graph), the tensor gets it back with the new data
+   (`.data`) once the commit is done, so that those holders see the move; to
+   or from meta, where torch refuses that, they keep the old one, and a
+   backward pass through such a graph fails saying why. Where torch cannot
+   swap (before 2.3) `.data` is set, or else the holders we walked are rebound
+   to a new tensor; the result lists each of these. Leaves stay leaves with
+   `requires_grad`, `.grad` is moved and reattached; a tensor with an autograd
+   history arrives without it.
    The commit is all or nothing too: an error in it undoes what it did, and
    SIGINT (Ctrl-C, a notebook's stop button) waits until it ends, then cancels
    the move.

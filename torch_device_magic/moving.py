@@ -587,7 +587,7 @@ def _commit(
     failure = None
     with _sigint_held() as interrupted:
         try:
-            notes, replaced, refused = _apply(ns, plan, news, undo_log, keep_originals)
+            notes, replaced, refused = _apply(ns, plan, news, undo_log)
         except Exception as exc:
             failure = (
                 f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
@@ -611,11 +611,7 @@ def _commit(
 
 
 def _apply(
-    ns: dict,
-    plan: _Plan,
-    news: list[Tensor],
-    undo_log: list[Callable[[], object]],
-    keep_originals: bool,
+    ns: dict, plan: _Plan, news: list[Tensor], undo_log: list[Callable[[], object]]
 ) -> tuple[list[str], dict[int, Tensor], list[int]]:
     """The commit's changes, each logged in `undo_log` with what undoes it; returns the notes,
     the new tensors that replace those (by index) that could not be changed in place, and

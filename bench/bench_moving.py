@@ -1,6 +1,6 @@
 """Benchmark of `%%ondevice`'s move path; each figure is a ratio to a baseline timed in this run.
 
-    python bench/bench_moving.py
+    python bench/bench_moving.py [--against COMMIT]
 
 1. A cell naming one tensor, with 10,000 unrelated tensors in the namespace,
    against the same cell in an otherwise empty namespace (target: <= 1.2x).
@@ -20,13 +20,19 @@
    is a time ratio <= 1.25x).
 
 CPU-only cases are timed in process CPU time (the machine may be shared);
-GPU cases in wall time, synchronised.
+GPU cases in wall time, synchronised. `--against COMMIT` also times case 2 with
+that commit's `moving.py` (loaded from `git show` into a module of its own),
+alternating with this one's in the same run, so that a change is measured
+before and after under the same load.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import importlib.util
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +46,7 @@ from torch_device_magic.moving import cell_names, move
 from torch_device_magic.reports import Table
 from torch_device_magic.units import fmt_seconds
 
+ROOT = Path(__file__).resolve().parent.parent
 META = torch.device("meta")
 CELL = "y = x * 2\ny.sum()"
 REPEATS = 21
@@ -58,21 +65,33 @@ def timed(
     return seconds
 
 
-def compare(
-    baseline: tuple, ours: tuple, clock: Callable[[], float] = time.process_time
-) -> tuple[float, float]:
-    """Median seconds of the baseline and of ours, timed alternately so drift hits both,
-    with the garbage collector off (what is freed is freed by reference counting)."""
-    base, mine = [], []
+def compare(*cases: tuple, clock: Callable[[], float] = time.process_time) -> list[float]:
+    """Median seconds of each (setup, run) case, timed in turn so drift hits all, with the
+    garbage collector off (what is freed is freed by reference counting)."""
+    times: list[list[float]] = [[] for _ in cases]
     gc.collect()
     gc.disable()
     try:
         for _ in range(REPEATS):
-            base.append(timed(*baseline, clock))
-            mine.append(timed(*ours, clock))
+            for case, seconds in zip(cases, times):
+                seconds.append(timed(*case, clock))
     finally:
         gc.enable()
-    return statistics.median(base), statistics.median(mine)
+    return [statistics.median(seconds) for seconds in times]
+
+
+def moving_at(commit: str):  # -> the module
+    """`torch_device_magic/moving.py` as it was at `commit`, as a module of the package."""
+    source = subprocess.run(
+        ["git", "show", f"{commit}:torch_device_magic/moving.py"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout
+    name = f"torch_device_magic._moving_{commit}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__package__ = "torch_device_magic"
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, f"{commit}:moving.py", "exec"), module.__dict__)
+    return module
 
 
 def ondevice_path(ns: dict) -> object:
@@ -108,15 +127,25 @@ def names_cost() -> tuple[str, float, float, str]:
     return "cell naming 1 tensor: 10,000 others vs none", empty, full, "<= 1.2x"
 
 
-def dict_cost(dev: torch.device, clock: Callable[[], float]) -> tuple[str, float, float, str]:
-    base, ours = compare(
+def dict_cost(
+    dev: torch.device, clock: Callable[[], float], old=None
+) -> list[tuple[str, float, float, str]]:
+    """Case 2; with `old` (a previous moving module), that version's figure too."""
+    cases = [
         (small_tensors, synced(by_hand(dev))),
         (small_tensors, synced(lambda ns: move(ns, ["d"], dev))),
-        clock,
-    )
+    ]
+    if old is not None:
+        cases.append((small_tensors, synced(lambda ns: old.move(ns, ["d"], dev))))
+    base, ours, *before = compare(*cases, clock=clock)
     if dev.type == "cpu":  # where they are already: the issue sets no target for it
-        return "dict of 10,000 tensors already on cpu: move vs by hand", base, ours, "-"
-    return f"dict of 10,000 tensors to {dev.type}: move vs by hand", base, ours, "<= 1.5x"
+        what, target = "dict of 10,000 tensors already on cpu: move vs by hand", "-"
+    else:
+        what, target = f"dict of 10,000 tensors to {dev.type}: move vs by hand", "<= 1.5x"
+    rows = [(what, base, ours, target)]
+    if old is not None:
+        rows.append((f"  the same with {old.__name__.rsplit('_', 1)[1]}", base, before[0], target))
+    return rows
 
 
 def synced(fn: Callable[[object], object]) -> Callable[[object], object]:
@@ -141,30 +170,33 @@ def bandwidth(cuda: torch.device) -> tuple[str, float, float, str]:
     flat_s, model_s = compare(
         (flat, synced(lambda t: t.to(cuda))),
         (model, synced(lambda ns: move(ns, ["m"], cuda))),
-        time.perf_counter,
+        clock=time.perf_counter,
     )
     return "1 GiB model host->device vs one flat .to", flat_s, model_s, "<= 1.25x"
 
 
-def figures() -> tuple[list, list[str]]:
+def figures(old=None) -> tuple[list, list[str]]:
     found = [
         names_cost(),
-        dict_cost(META, time.process_time),
-        dict_cost(torch.device("cpu"), time.process_time),
+        *dict_cost(META, time.process_time, old),
+        *dict_cost(torch.device("cpu"), time.process_time),
     ]
     if not torch.cuda.is_available():
         return found, ["GPU cases: skipped, CUDA is not available on this machine"]
     cuda = torch.device("cuda", torch.cuda.current_device())
-    return [*found, dict_cost(cuda, time.perf_counter), bandwidth(cuda)], []
+    return [*found, *dict_cost(cuda, time.perf_counter, old), bandwidth(cuda)], []
 
 
 def main() -> None:
-    found, notes = figures()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", metavar="COMMIT", help="also time case 2 at this commit")
+    args = parser.parse_args()
+    found, notes = figures(moving_at(args.against) if args.against else None)
     notes.insert(0, f"median of {REPEATS} alternating runs; torch {torch.__version__}")
     rows = []
     for what, base, ours, target in found:
         rows.append((what, fmt_seconds(base), fmt_seconds(ours), f"{ours / base:.2f}x", target))
-        if what.startswith("dict"):
+        if what.startswith(("dict", "  the same")):
             extra = (ours - base) / DICT_SIZE * 1e6
             notes.append(f"{what.split(':')[0]}: the move takes {extra:.2f} µs a tensor more")
     print(Table("bench_moving", ("case", "baseline", "ours", "ratio", "target"), rows, notes))

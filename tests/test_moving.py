@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import signal
+import sys
+import threading
+import tracemalloc
+import types
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -164,7 +170,7 @@ def test_grads_that_form_a_cycle_are_walked_once():
 def test_the_storage_key_is_the_storage():
     base = torch.arange(4.0)
     tensors = [base, base[1:], base[1:].data, torch.zeros(4, device=META), torch.zeros(0)]
-    assert [moving._storage_id(t) for t in tensors] == [storage(t) for t in tensors]
+    assert [moving.storage_id(t) for t in tensors] == [storage(t) for t in tensors]
 
 
 def test_views_keep_sharing_storage_with_their_base(target):
@@ -236,6 +242,39 @@ def test_grad_of_a_frozen_parameter_moves_too(target):
     p.requires_grad_(False)
     moved_all({"p": p}, target)
     assert p.grad is not None and p.grad.device == target
+
+
+def test_a_backward_through_a_graph_made_before_the_move_fails_and_says_why():
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()  # its graph holds w's old C++ tensor
+    result = move({"w": w}, ["w"], META)
+    assert result.not_followed == [
+        "w: moved, but a view or an autograd graph made before still holds its old data on cpu"
+    ]
+    with pytest.raises(RuntimeError, match="w was moved to another device after this"):
+        loss.backward()
+
+
+def test_where_data_can_be_set_a_graph_made_before_sees_the_move():
+    # Between devices of one kind (cpu and cuda), a tensor that a graph holds gets `.data`
+    # after the commit, so that a backward pass through that graph still reaches it. Here
+    # on the CPU, with a copy on the CPU standing for one on another device.
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    grad = w.grad
+    loss = (w * 2).sum()
+    copy = w.detach().clone().requires_grad_()
+    copy.grad = grad
+    moving._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
+    plan = moving._Plan(CPU)
+    plan.tensors, plan.where, plan.grads = [w], [(None, "w", False)], {id(w): (w, grad)}
+    notes = moving._held_elsewhere(plan, [copy], [])
+    assert notes == [
+        "w: moved with .data because an autograd graph or a view holds it; "
+        "views of its old storage and autograd graphs that saved it stay behind"
+    ]
+    loss.backward()
+    assert w.grad is grad and torch.equal(w.grad, torch.full((3,), 2.0))
 
 
 def test_a_tensor_with_history_arrives_without_it_and_says_so():
@@ -356,6 +395,59 @@ def test_other_objects_are_left_untouched():
     assert holder.t.device == CPU and result.names == {}
 
 
+def test_a_walk_stops_after_its_limit_and_says_what_it_did_not_walk(monkeypatch):
+    monkeypatch.setattr(moving, "WALK_LIMIT", 1000)
+    first, last = torch.zeros(1), torch.zeros(1)
+    samples = [(first, "a"), *[(i, "label") for i in range(5000)], (last, "z")]
+    result = move({"samples": samples, "x": torch.zeros(2)}, ["samples", "x"], META)
+    assert first.device == META and last.device == CPU  # the walk stopped before it
+    assert result.skipped == ["samples past its first 1,000 objects other than tensors"]
+    assert result.names == {"samples": 4, "x": 8}
+    assert "not walked: samples past its first 1,000" in result.table().text()
+
+
+def test_a_million_samples_cost_a_bounded_walk():
+    np = pytest.importorskip("numpy")
+    t = torch.zeros(1)
+    samples = [(np.zeros(2), 0)] * 1_000_000  # one sample a million times: cheap to build
+    tracemalloc.start()
+    try:
+        result = move({"data": samples, "t": t}, ["data", "t"], META)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20  # the walk does not hold a million entries at once
+    assert result.skipped == ["data past its first 100,000 objects other than tensors"]
+    assert t.device == META
+
+
+class RaisingItems(dict):
+    def items(self):
+        raise RuntimeError("no items today. Really")
+
+
+@dataclass
+class RaisingField:
+    t: torch.Tensor
+
+    def __getattribute__(self, name: str):
+        if name == "t":
+            raise ValueError("cannot read t")
+        return super().__getattribute__(name)
+
+
+def test_objects_that_raise_when_walked_are_skipped_and_named():
+    hidden, ok = torch.zeros(1), torch.zeros(2)
+    ns = {"bad": RaisingItems(t=hidden), "box": [RaisingField(hidden)], "ok": ok}
+    result = moved_all(ns, META)
+    assert ok.device == META and hidden.device == CPU
+    assert result.skipped == [
+        "bad, where its RaisingItems raised RuntimeError: no items today",
+        "box[0], where its RaisingField raised ValueError: cannot read t",
+    ]
+    assert "not walked: bad, where its RaisingItems raised" in result.table().text()
+
+
 def test_names_missing_from_the_namespace_are_ignored():
     assert move({}, ["nope"], META).names == {}
 
@@ -363,39 +455,77 @@ def test_names_missing_from_the_namespace_are_ignored():
 # --- references that cannot follow --------------------------------------------------------
 
 
-def test_a_weakly_referenced_tensor_is_replaced_where_walked_and_reported():
+def refuse_swaps(monkeypatch, *refused: torch.Tensor) -> None:
+    """Make torch refuse to swap `refused` (as a C++ weak reference, or torch < 2.3, would)."""
+    swap = moving._swap_impl
+
+    def refusing(a, b):
+        if any(a is t or b is t for t in refused):
+            raise RuntimeError("Expected no weakrefs to t1's Tensor object")
+        swap(a, b)
+
+    monkeypatch.setattr(moving, "_swap_impl", refusing)
+
+
+def test_a_weakly_referenced_tensor_keeps_its_identity(target):
     t = torch.randn(2)
     ref = weakref.ref(t)
     box = {"pair": Pair(t, t), "list": [t]}
     ns = {"t": t, "box": box}
+    result = moved_all(ns, target)
+    assert ns["t"] is t and ref() is t and t.device == target
+    assert box["list"][0] is t and box["pair"] == (t, t) and result.not_followed == []
+
+
+def test_a_dict_of_tensors_keeps_identity_wherever_it_is_observable(target):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = {f"t{i}": torch.zeros(4) for i in range(100)}  # as in the benchmark
+    d["w"] = model.weight
+    alias, ref = d["t0"], weakref.ref(d["t1"])
+    ns = {"d": d, "alias": alias}
+    move(ns, ["d"], target)
+    assert ns["d"] is d and d["t0"] is alias and ref() is d["t1"]
+    assert model.weight is d["w"] and opt.param_groups[0]["params"][0] is d["w"]
+    assert all(t.device == target for t in d.values())
+
+
+def test_a_tensor_torch_will_not_swap_is_replaced_where_walked_and_reported(monkeypatch):
+    t = torch.randn(2)
+    refuse_swaps(monkeypatch, t)
+    box = {"pair": Pair(t, t), "list": [t]}
+    ns = {"t": t, "box": box}
     result = moved_all(ns, META)
     new = ns["t"]
-    assert new is not t and new.device == META and ref() is t and t.device == CPU
+    assert new is not t and new.device == META and t.device == CPU
     assert box["list"][0] is new and box["pair"] == (new, new) and type(box["pair"]) is Pair
     assert result.not_followed == [  # named by the first place it was found
-        "box['list'][0]: replaced by a new tensor because a weak reference to it exists; "
+        "box['pair'][0]: replaced by a new tensor because torch refused to swap it; "
         "references the cell does not name keep the old one"
     ]
 
 
-def test_a_module_parameter_that_cannot_swap_is_rebound_in_module_and_optimizer():
+def test_a_module_parameter_that_cannot_swap_is_rebound_in_module_and_optimizer(monkeypatch):
     model, opt = trained()
     old = model[0].weight
-    keep = weakref.ref(old)
+    refuse_swaps(monkeypatch, old)
     moved_all({"model": model, "opt": opt}, META)
     new = model[0].weight
-    assert new is not old and keep() is old
+    assert new is not old and old.device == CPU
     assert type(new) is torch.nn.Parameter and new.device == META and new.grad.device == META
     assert opt.param_groups[0]["params"][0] is new and new in opt.state and old not in opt.state
 
 
-def test_a_base_whose_unnamed_view_holds_it_is_replaced_and_reported():
+def test_a_base_whose_unnamed_view_holds_it_moves_and_the_view_stays():
     base = torch.arange(4.0)
     view = base[1:]
     ns = {"base": base}
     result = move(ns, ["base"], META)
-    assert ns["base"].device == META and view.device == CPU
-    assert "another tensor or an autograd graph holds it" in result.not_followed[0]
+    assert ns["base"] is base and base.device == META and view.device == CPU
+    assert torch.equal(view, torch.arange(1.0, 4.0))
+    assert result.not_followed == [
+        "base: moved, but a view or an autograd graph made before still holds its old data on cpu"
+    ]
 
 
 # --- all or nothing -----------------------------------------------------------------------
@@ -495,6 +625,108 @@ def test_a_meta_tensor_cannot_move_to_the_cpu_and_nothing_changes():
     assert ns["m"] is m and m.device == META
 
 
+class Two(tuple):
+    """A tuple subclass whose constructor takes two arguments: rebuilding it fails."""
+
+    def __new__(cls, a, b):
+        return super().__new__(cls, (a, b))
+
+
+def test_an_error_in_the_commit_undoes_it_and_says_so_in_one_line(monkeypatch):
+    ns = workload()
+    t = torch.randn(2)
+    ns["odd"] = Two(t, "label")
+    refuse_swaps(monkeypatch, t)  # so that its holder must be rebuilt, after the others moved
+    before = snapshot(ns)
+    with pytest.raises(DeviceMagicError) as info:
+        moved_all(ns, META)
+    message = str(info.value)
+    assert message.startswith("Could not move to meta: TypeError: ") and "\n" not in message
+    assert message.endswith("; nothing was moved.")
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert_unchanged(ns, before)
+    assert ns["odd"][0] is t and t.device == CPU
+
+
+BIG = 300_000
+
+
+def interrupted_move(ns: dict, restorable: bool, delay: float, when):
+    """`move` with a real SIGINT sent `delay` seconds after `when` (the start, or the first
+    swap): the result, or None where the interrupt stopped it."""
+    def send() -> threading.Timer:
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        timers.append(timer)
+        return timer
+
+    timers: list[threading.Timer] = []
+    try:
+        if when == "start":
+            send()
+        result = move(ns, ["big"], META, restorable=restorable)
+        for timer in timers:
+            timer.join()  # the signal is sent; Python handles it within a few bytecodes
+        for _ in range(10_000):
+            pass
+        return result
+    except KeyboardInterrupt:
+        for timer in timers:
+            timer.join()
+        return None
+
+
+@pytest.mark.parametrize(("when", "delay", "restorable"), [
+    ("commit", 0.0, True), ("commit", 0.0, False), ("commit", 0.005, True),
+    ("commit", 0.02, False), ("start", 0.1, True), ("start", 0.4, False),
+])
+def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
+    monkeypatch, restorable, when, delay
+):
+    tensors = [torch.full((1,), float(i)) for i in range(BIG)]
+    ns = {"big": tensors}
+    if when == "commit":  # a signal sent once the commit started: it lands in it or after
+        swap_all = moving._swap_all
+
+        def swapping(*args, **kwargs):
+            if not armed:
+                armed.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)))
+                armed[0].start()
+            return swap_all(*args, **kwargs)
+
+        armed: list[threading.Timer] = []
+        monkeypatch.setattr(moving, "_swap_all", swapping)
+    result = interrupted_move(ns, restorable, delay, when)
+    if when == "commit":
+        armed[0].join()
+    assert ns["big"] is tensors
+    devices = {t.device.type for t in tensors}
+    assert devices == ({"meta"} if result is not None else {"cpu"})  # never a mix
+    if restorable:
+        if result is not None:
+            restore(ns, result)
+        assert all(t.device == CPU for t in tensors)
+        assert torch.equal(torch.cat(tensors), torch.arange(float(BIG)))  # no data lost
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_during_a_restore_waits_until_it_ends(monkeypatch):
+    tensors = [torch.full((1,), float(i)) for i in range(1000)]
+    ns = {"big": tensors}
+    result = move(ns, ["big"], META, restorable=True)
+    swap_all = moving._swap_all
+
+    def swapping(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # at once, before the swaps back
+        return swap_all(*args, **kwargs)
+
+    monkeypatch.setattr(moving, "_swap_all", swapping)
+    with pytest.raises(KeyboardInterrupt):
+        restore(ns, result)
+    assert all(t.device == CPU for t in tensors)
+    assert torch.equal(torch.cat(tensors), torch.arange(1000.0))
+
+
 # --- restore ------------------------------------------------------------------------------
 
 
@@ -534,9 +766,10 @@ def test_restore_leaves_what_the_cell_made_on_the_device():
     assert ns["x"].device == META and ns["new"].device == META
 
 
-def test_restore_puts_back_a_tensor_that_was_replaced():
+def test_restore_puts_back_a_tensor_that_was_replaced(monkeypatch):
     t = torch.ones(2)
     ref = weakref.ref(t)
+    refuse_swaps(monkeypatch, t)
     ns = {"t": t, "box": [t]}
     result = moved_all(ns, META, restorable=True)
     assert ns["t"] is not t
@@ -558,6 +791,165 @@ def test_a_restored_move_lets_go_of_the_originals():
     assert ref() is None  # `result` is still alive: a traceback may hold it
     with pytest.raises(ValueError, match="once"):
         restore(ns, result)
+
+
+# --- restore from meta gives back the very objects, whatever the cell did ------------------
+
+
+def holders(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What a restore must give back: each object, its data, grad and optimizer state."""
+    params = list(model.parameters())
+    return {
+        "params": params,
+        "values": [p.detach().clone() for p in params],
+        "grads": [p.grad for p in params],
+        "grad_values": [p.grad.clone() for p in params],
+        "buffers": list(model.buffers()),
+        "state": [dict(opt.state[p]) for p in params],
+        "moments": [opt.state[p]["exp_avg"].clone() for p in params],
+    }
+
+
+def assert_given_back(model, opt, kept: dict, box: list) -> None:
+    """The same objects, on the CPU, with their data, grads, leafness and Adam state, held by
+    the model, the optimizer and `box` (a holder the cell does not name); training works."""
+    params = list(model.parameters())
+    assert all(a is b for a, b in zip(params, kept["params"], strict=True))
+    assert all(a is b for a, b in zip(box, kept["params"], strict=True))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params, strict=True))
+    assert all(a is b for a, b in zip(model.buffers(), kept["buffers"], strict=True))
+    for p, value, grad, grad_value, state, moment in zip(
+        params, kept["values"], kept["grads"], kept["grad_values"], kept["state"],
+        kept["moments"], strict=True,
+    ):
+        assert p.device == CPU and p.is_leaf and p.requires_grad and torch.equal(p, value)
+        assert p.grad is grad and torch.equal(grad, grad_value)
+        assert opt.state[p]["exp_avg"] is state["exp_avg"]
+        assert torch.equal(state["exp_avg"], moment)
+    assert len(opt.state_dict()["state"]) == len(params)  # KeyError on a parameter left behind
+    opt.zero_grad()
+    model(torch.randn(8, 3)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(params[0], kept["values"][0])  # training changes the model
+    assert int(opt.state[params[0]]["step"]) == 2  # Adam goes on from its moments
+
+
+@pytest.mark.parametrize("named", [["model"], ["model", "opt"]])
+def test_restore_from_meta_gives_back_the_objects_when_the_cells_graph_survives(named):
+    model, opt = trained()
+    kept = holders(model, opt)
+    box = list(kept["params"])
+    ns = {"model": model, "opt": opt, "x": torch.randn(8, 3)}
+    result = move(ns, [*named, "x"], META, restorable=True)
+    ns["loss"] = model(ns["x"]).pow(2).sum()  # kept: its graph holds the meta tensors
+    ns["Out"] = {1: ns["loss"]}
+    restore(ns, result)
+    assert ns["loss"].device == META  # what the cell made stays
+    assert_given_back(model, opt, kept, box)
+
+
+def test_restore_from_meta_gives_back_the_objects_when_a_traceback_holds_the_meta_ones():
+    model, opt = trained()
+    kept = holders(model, opt)
+    box = list(kept["params"])
+    ns = {"model": model}
+    result = move(ns, ["model"], META, restorable=True)
+
+    def forward() -> None:
+        hidden = model[0](torch.ones(2, 3, device=META))  # noqa: F841 (the frame keeps it)
+        model(torch.ones(2, 5, device=META))  # a shape error, what meta is used to find
+
+    with pytest.raises(RuntimeError) as failed:
+        forward()
+    restore(ns, result)
+    assert failed.tb is not None  # its frames are still alive
+    assert_given_back(model, opt, kept, box)
+
+
+def test_restore_from_meta_gives_back_a_tensor_the_cell_made_a_view_of():
+    a = torch.arange(6.0)
+    buffers = torch.nn.Module()
+    buffers.register_buffer("a", a)
+    box, mapping = [a], {"a": a}
+    ns = {"a": a}
+    result = move(ns, ["a"], META, restorable=True)
+    ns["v"] = a[2:]  # a view of the meta tensor
+    restore(ns, result)
+    assert ns["a"] is a and box[0] is a and mapping["a"] is a and buffers.a is a
+    assert a.device == CPU and torch.equal(a, torch.arange(6.0))
+    assert ns["v"].device == META
+
+
+def test_restore_from_meta_gives_back_a_tensors_autograd_history():
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 3).sum()
+    box = [loss]
+    ns = {"loss": loss}
+    result = move(ns, ["loss"], META, restorable=True)
+    assert ns["loss"].shape == ()  # the cell only reads it
+    restore(ns, result)
+    assert ns["loss"] is loss and box[0] is loss and loss.device == CPU
+    assert loss.grad_fn is not None and loss.item() == 9
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((3,), 3.0))
+
+
+def test_restore_from_meta_gives_back_leafness_grads_and_hooks():
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    grad = w.grad
+    w.register_hook(lambda g: g * 10)
+    ns = {"w": w}
+    result = move(ns, ["w"], META, restorable=True)
+    w.grad = None  # as zero_grad() does
+    restore(ns, result)
+    assert w.is_leaf and w.requires_grad and w.grad is grad and w.device == CPU
+    w.sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 10.0))
+
+
+# --- every move keeps what a tensor carries -------------------------------------------------
+
+
+def test_autograd_hooks_still_run_after_a_move():
+    w = torch.ones(3, requires_grad=True)
+    p = torch.nn.Parameter(torch.ones(3))
+    calls = []
+    w.register_hook(lambda g: calls.append("pre") or g * 10)
+    p.register_post_accumulate_grad_hook(lambda t: calls.append("post"))
+    ns = {"w": w, "p": p}
+    moved_all(ns, META)
+    (w * p).sum().backward()
+    assert calls == ["pre", "post"] and w.grad.device == META
+
+
+def test_lazy_conjugate_and_negative_views_keep_their_bits():
+    c = torch.randn(4, dtype=torch.cfloat)
+    r = torch.randn(4)
+    ns = {"c": c, "cc": c.conj(), "r": r, "n": r._neg_view()}
+    moved_all(ns, META)
+    assert ns["cc"].is_conj() and not c.is_conj() and storage(ns["cc"]) == storage(c)
+    assert ns["n"].is_neg() and not r.is_neg() and storage(ns["n"]) == storage(r)
+
+
+def test_lbfgs_state_in_lists_follows_its_parameters():
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.LBFGS([w], history_size=3, max_iter=4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (w**4).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    state = opt.state[w]
+    lists = [state[k] for k in ("old_dirs", "old_stps", "ro", "al")]
+    tensors = [t for items in lists for t in items if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.device == CPU for t in tensors)
+    move({"opt": opt}, ["opt"], META)
+    assert w.device == META and all(t.device == META for t in tensors)
+    assert state["d"].device == META and state["prev_flat_grad"].device == META
 
 
 # --- reporting ----------------------------------------------------------------------------
@@ -582,6 +974,38 @@ def test_a_big_move_shows_a_progress_bar_that_goes_away(monkeypatch, capsys):
     moved_all({"x": torch.zeros(256)}, META)
     err = capsys.readouterr().err
     assert "moving to meta" in err and err.endswith("\r")  # leave=False clears the line
+
+
+def test_without_ipywidgets_the_bar_is_text_not_a_widget_that_warns(monkeypatch, capsys):
+    # In Jupyter without ipywidgets, tqdm.auto's widget warns "IProgress not found".
+    widget = types.ModuleType("tqdm.auto")
+
+    def notebook_bar(*args, **kwargs):
+        raise AssertionError("IProgress not found. Please update jupyter and ipywidgets.")
+
+    widget.tqdm = notebook_bar
+    monkeypatch.setitem(sys.modules, "tqdm.auto", widget)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # cannot be imported
+    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    moved_all({"x": torch.zeros(256)}, META)
+    assert "moving to meta" in capsys.readouterr().err
+
+
+def test_a_restore_from_meta_says_what_it_did():
+    ns = {"x": torch.zeros(256), "y": [torch.zeros(2), torch.ones(2)]}
+    back = restore(ns, moved_all(ns, META, restorable=True))
+    title = back.table().text().splitlines()[0]
+    assert title == "restored 3 tensors from meta (the originals put back)"
+
+
+@pytest.mark.parametrize("up", [False, True])
+def test_timings_wait_for_an_accelerator_only_where_its_runtime_is_up(monkeypatch, up):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: up)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    for dev in ("cpu", "meta", "cuda:0"):
+        moving._sync(torch.device(dev))
+    assert synced == ([torch.device("cuda:0")] if up else [])
 
 
 def test_a_small_move_shows_nothing(capsys):

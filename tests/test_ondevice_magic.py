@@ -82,12 +82,59 @@ def test_restore_happens_when_the_cell_fails_too(ip, ns):
     assert ns["model"].weight.device.type == "cpu" and ns["x"].device.type == "cpu"
 
 
+KEEP = """\
+params, state = list(model.parameters()), dict(opt.state[model.weight])
+values = [p.detach().clone() for p in params]
+a = torch.arange(4.0)
+box = {"x": x, "a": a, "params": list(params)}
+"""
+GIVEN_BACK = """\
+assert all(a is b for a, b in zip(model.parameters(), params))
+assert all(a is b for a, b in zip(box["params"], params)) and box["x"] is x
+assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+assert all(p.device.type == "cpu" and torch.equal(p, v) for p, v in zip(params, values))
+assert opt.state[model.weight]["exp_avg"] is state["exp_avg"] and x.device.type == "cpu"
+assert box["a"] is a and torch.equal(a, torch.arange(4.0))
+assert opt.state_dict()["state"]
+opt.zero_grad()
+model(torch.ones(2, 3)).sum().backward()
+opt.step()
+assert not torch.equal(model.weight, values[0])
+"""
+
+
+@pytest.mark.parametrize("cell", [
+    "loss = model(x[:3]).sum()",  # the graph stays bound
+    "model(x[:3]).sum()",  # ... or in Out[n]
+    "v = a[2:]",  # a view of a named tensor
+])
+def test_restore_from_meta_gives_back_the_same_objects_whatever_the_cell_kept(ip, ns, cell):
+    ip.run_cell(KEEP)
+    ip.run_cell(f"%%ondevice meta --restore\n{cell}", store_history=True)
+    ip.run_cell(GIVEN_BACK)
+
+
+def test_restore_from_meta_gives_back_the_same_objects_after_a_shape_error(ip, ns):
+    ip.run_cell(KEEP)
+    with pytest.raises(RuntimeError, match="must have same reduction dim"):
+        ip.run_cell("%%ondevice meta --restore\nh = model(x[:3])\nmodel(torch.ones(2, 5))")
+    ip.run_cell(GIVEN_BACK)
+
+
+def test_restore_from_meta_gives_back_a_loss_the_cell_only_read(ip, ns):
+    ip.run_cell("loss = model(x[:3]).sum()\nmodel.zero_grad()")
+    ip.run_cell("%%ondevice meta --restore\nloss.shape")
+    assert ns["loss"].grad_fn is not None and ns["loss"].device.type == "cpu"
+    ip.run_cell("loss.backward()")
+    assert torch.equal(ns["model"].bias.grad, torch.ones(2))
+
+
 def test_verbose_says_what_moved_and_what_could_not_follow(ip, ns, capsys):
     ip.run_cell("%%ondevice meta -v\nx.sum()")
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("moved 16 B to meta in ")
     assert ["x", "16 B"] in [line.split(maxsplit=1) for line in out]
-    follow = "could not follow: x: replaced by a new tensor because another tensor"
+    follow = "could not follow: x: moved, but a view or an autograd graph made before"
     assert any(line.startswith(follow) for line in out)
 
 
@@ -101,6 +148,18 @@ def test_without_a_device_the_session_device_is_used(ip, ns):
     ip.run_cell("%device meta")
     ip.run_cell("%%ondevice\ny = x + 1")
     assert ns["x"].device == META and ns["y"].device == META
+
+
+def test_all_skips_and_names_what_raises_when_walked(ip, ns, capsys):
+    ip.run_cell(
+        "class Bad(dict):\n    def items(self):\n        raise RuntimeError('no')\n"
+        "bad = Bad(t=torch.ones(1))"
+    )
+    ip.run_cell("%%ondevice meta --all -v\npass")
+    assert ns["bystander"].device == META and ns["bad"]["t"].device.type == "cpu"
+    assert "not walked: bad, where its Bad raised RuntimeError: no" in capsys.readouterr().out
+    ip.run_cell("%device meta --move")
+    assert ns["x"].device == META
 
 
 def test_device_move_moves_everything_and_sets_the_session_device(ip, ns, capsys):

@@ -347,19 +347,27 @@ class TorchDeviceMagics(Magics):
           needs that optimizer named, or --all. Names inside nested magics
           (`%time f(x)`) are not seen either.
         - Moved objects keep their identity: their tensors are swapped in
-          place, so a name, a list entry and a module attribute that held the
-          same tensor still do. Where torch refuses that (a weak reference, a
-          view the cell does not name, a live autograd graph), `.data` is set,
-          or, to and from meta, the holders walked get a new tensor; -v lists
-          them. A tensor with an autograd history arrives detached from it.
+          place, so a name, a list entry, a weak reference, a module attribute
+          and an optimizer that held the same tensor still do, with its
+          autograd hooks and lazy conj/neg bits. Where a view the cell does not
+          name or an earlier autograd graph holds a tensor, that one gets
+          `.data` (to or from meta: they keep the old tensor, and a backward
+          through such a graph fails, saying why); -v lists them. A tensor with
+          an autograd history arrives detached from it.
+        - The walk looks at up to 100,000 objects other than tensors a name
+          and skips objects that raise when read; -v names both. An error or
+          Ctrl-C during the move changes nothing.
         - Optimizer state follows its parameters; `step` stays on the CPU
           unless the group is capturable or fused, as torch keeps it.
         - --all moves every name of yours (not `_`-prefixed or IPython's own).
         - --restore sends back what the names held, with what the cell did to
           it; optimizer state and parameters the cell added to a moved model
           go back with it; anything else the cell made stays on DEV. From
-          meta the originals come back as they were, optimizer steps included.
-        - A move of a GiB or more shows a progress bar that goes away when done.
+          meta the very same objects come back with their data, grad_fn,
+          hooks and .grad, optimizer state and steps included, whatever the
+          cell kept (a loss, Out, a traceback, a view).
+        - A move of a GiB or more shows a progress bar (text unless ipywidgets
+          is installed) that goes away when done.
         """
         __tracebackhide__ = True
         if cell is None:
@@ -372,19 +380,20 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
                  else cells.cell_names(self.shell.transform_cell(cell)))
-        moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
-        if args.verbose:
-            display(moved.table())
-        failed = False
-        try:
+        moved, failed = None, False
+        try:  # entered before the move: a Ctrl-C just after it still restores
+            moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
+            if args.verbose:
+                display(moved.table())
             with torch.device(dev):
                 return run()
         except BaseException as err:
-            # The hint comes after the default is restored: tell it what was in force.
-            self._failed_under, failed = (id(err), dev), True
+            if moved is not None:  # the cell's error, not the move's
+                # The hint comes after the default is restored: tell it what was in force.
+                self._failed_under, failed = (id(err), dev), True
             raise
         finally:
-            if args.restore:
+            if args.restore and moved is not None:
                 try:
                     back = moving.restore(self.shell.user_ns, moved)
                 except Exception as restore_error:

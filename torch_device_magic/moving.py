@@ -6,23 +6,38 @@
 Three phases, so that a failure changes nothing:
 
 1. *Plan*: walk the named objects (containers, modules and optimizers once
-   each, memoised by `id`) and group the tensors by storage, which also finds
-   a tensor reached twice: it is planned once.
+   each, memoised by `id`; at most `WALK_LIMIT` other objects a name, as
+   `%tensors` does; an object that raises when read is skipped; the result
+   names both) and group the tensors by storage, which also finds a tensor
+   reached twice: it is planned once.
 2. *Copy*: one copy per storage (a singleton with `.to`, a shared storage as
    one span of bytes from which every tensor of the group is rebuilt with its
-   own offset, sizes and strides, so views keep sharing storage). On failure
+   own offset, sizes and strides, so views keep sharing storage, and its lazy
+   conjugate and negative bits). On failure
    the copies are dropped and a `DeviceMagicError` is raised from a frame that
    holds none of them (a traceback keeps its frames' tensors alive,
    pytorch#27600).
 3. *Commit*: each tensor gets its copy in place. We swap only the C++ tensor
-   (the last step of `torch.utils.swap_tensors`, under the same guards), so the
-   Python object keeps its identity, class (a Parameter stays a Parameter) and
-   attributes, and every reference sees the move. Where a swap is refused (a
-   weak reference, or another tensor or an autograd graph holding it) we set
-   `.data`; where torch refuses that too (to or from `meta`) the holders we
-   walked are rebound to a new tensor and the others cannot follow: the result
-   lists them. Leaves stay leaves with `requires_grad`, `.grad` is moved and
-   reattached; a tensor with an autograd history arrives without it.
+   (the last step of `torch.utils.swap_tensors`), so the Python object keeps
+   its identity, class (a Parameter stays a Parameter), attributes and
+   autograd hooks, and every reference to it, weak ones too, sees the move.
+   Where something else holds the old C++ tensor (a view the cell does not
+   name, an autograd graph), the tensor gets it back with the new data
+   (`.data`) once the commit is done, so that those holders see the move; to
+   or from meta, where torch refuses that, they keep the old one, and a
+   backward pass through such a graph fails saying why. Where torch cannot
+   swap (before 2.3) `.data` is set, or else the holders we walked are rebound
+   to a new tensor; the result lists each of these. Leaves stay leaves with
+   `requires_grad`, `.grad` is moved and reattached; a tensor with an autograd
+   history arrives without it.
+   The commit is all or nothing too: an error in it undoes what it did, and
+   SIGINT (Ctrl-C, a notebook's stop button) waits until it ends, then cancels
+   the move.
+
+`restore` from `meta` needs no data: after the swap, each copy holds the
+original C++ tensor, which is swapped back into the very object it came from,
+with its data, `grad_fn`, hooks and `.grad`. Whatever the cell left holding the
+meta ones (a kept graph, `Out`, a traceback, a view) keeps those.
 
 Optimizer state follows its parameters by torch's own rule: `step` stays where
 it is unless the group is `capturable` or `fused`. Nothing here touches
@@ -31,15 +46,20 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import gc
+import importlib.util
 import itertools
+import operator
+import signal
+import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from weakref import getweakrefcount
 
 import torch
 from torch import Tensor
@@ -47,53 +67,56 @@ from torch import Tensor
 from .cells import cell_names  # re-exported: the move's callers find their names there
 from .errors import DeviceMagicError, first_sentence
 from .reports import Table
-from .units import fmt_bytes, fmt_seconds
+from .tensors import WALK_LIMIT, is_lazy, storage_id, storage_key, stored_bytes
+from .units import fmt_bytes, fmt_seconds, plural
 
 __all__ = ["MoveResult", "cell_names", "move", "restore"]
 
 _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a progress bar
 _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
-# `t.untyped_storage()._cdata` without building a storage object on the way
-_storage_id = getattr(torch._C, "_storage_id", lambda t: t.untyped_storage()._cdata)
+_NBYTES = operator.attrgetter("nbytes")
 _OOM = getattr(torch, "OutOfMemoryError", ())
-_COMPRESSED = ("values", "crow_indices", "col_indices")
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: _COMPRESSED,
-    torch.sparse_bsr: _COMPRESSED,
-    torch.sparse_csc: ("values", "ccol_indices", "row_indices"),
-    torch.sparse_bsc: ("values", "ccol_indices", "row_indices"),
-}
-_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+# Whether the walk enters an object of a type, learnt once a type (`_walkable`).
+_WALKABLE: dict[type, bool] = {t: False for t in (int, float, complex, bool, str, bytes)}
+_WALKABLE[type(None)] = False
 
 # Where a tensor was found, formatted only when a message needs it:
 # (parent, key, is_attribute), the parent None at a root name.
 _Where = tuple
+# What the walk has still to read of a container: (its (key, value) pairs, where it is,
+# whether the keys are attributes, the target its tensors inherit).
+_Frame = tuple
 
 
 @dataclass
 class MoveResult:
-    """What a move did: bytes per name, time taken, and references that could not follow."""
+    """What a move did: bytes per name, time taken, references that could not follow,
+    and what the walk did not look into (`skipped`)."""
 
     device: torch.device
     names: dict[str, int]
     seconds: float
     not_followed: list[str] = field(default_factory=list)
     _undo: _Undo | None = field(default=None, repr=False)
+    skipped: list[str] = field(default_factory=list)
+    restored: int | None = None  # a restore from meta: how many originals were put back
 
     @property
     def nbytes(self) -> int:
         return sum(self.names.values())
 
     def table(self) -> Table:
-        title = (
-            f"moved {fmt_bytes(self.nbytes)} to {self.device} in {fmt_seconds(self.seconds)}"
-            if self.names
-            else f"nothing to move to {self.device}"
-        )
+        if self.restored is not None:  # nothing was copied: saying "moved in 1 ms" would mislead
+            title = f"restored {plural(self.restored, 'tensor')} from meta (the originals put back)"
+        elif self.names:
+            took = fmt_seconds(self.seconds)
+            title = f"moved {fmt_bytes(self.nbytes)} to {self.device} in {took}"
+        else:
+            title = f"nothing to move to {self.device}"
         rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
         notes = [f"could not follow: {n}" for n in self.not_followed]
+        notes += [f"not walked: {n}" for n in self.skipped]
         return Table(title, ("name", "bytes"), rows, notes)
 
 
@@ -104,9 +127,9 @@ class _Undo:
     names: list[str]
     home: dict[int, torch.device]
     module_home: dict[int, torch.device]
+    # From meta: each moved tensor and the copy that, once swapped, holds its original.
     originals: list[tuple[Tensor, Tensor]] | None = None
     rebound: dict[int, Tensor] = field(default_factory=dict)
-    grads: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     optimizer_state: list[tuple[torch.optim.Optimizer, dict]] = field(default_factory=list)
     values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
@@ -123,7 +146,7 @@ def move(
     if restorable:
         undo = _Undo(names, {}, plan.module_home)
         if device.type == "meta":  # nothing comes back from meta: keep the originals
-            undo.originals, undo.grads = [], list(plan.grads.values())
+            undo.originals = []
             undo.optimizer_state, undo.values = plan.optimizer_snapshots()
     return _execute(plan, ns, device, undo)
 
@@ -157,7 +180,8 @@ class _Plan:
         self.seen: set[int] = set()  # containers, modules, optimizers walked already
         # One entry per tensor, in the order found; the lists below hold indices into them.
         self.tensors: list[Tensor] = []
-        self.targets: list[torch.device] = []
+        # Each tensor's target: a list when restoring, else one device for all.
+        self.targets: list[torch.device] | _Same = [] if device is None else _Same(device)
         self.where: list[_Where] = []
         self.nbytes: list[int] = []  # what each copy takes (a shared storage: all on its first)
         self.shared: dict[int, list[int]] = {}  # a storage's first tensor -> all that share it
@@ -167,56 +191,101 @@ class _Plan:
         self.names: list[tuple[str, int, int]] = []  # name -> its slice of `tensors`
         self.module_home: dict[int, torch.device] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.skipped: list[str] = []  # what the walk did not look into, and why
+        self.budget = 0  # objects other than tensors the walk may still look at for this name
 
     def walk(self, ns: dict, names: list[str]) -> None:
         for name in names:
             first = len(self.tensors)
+            self.budget = WALK_LIMIT
             self._walk(ns[name], name)
+            if self.budget < 0:
+                self.skipped.append(
+                    f"{name} past its first {WALK_LIMIT:,} objects other than tensors"
+                )
             self.names.append((name, first, len(self.tensors)))
         self._group()
 
     def _walk(self, root: object, name: str) -> None:
-        stack = self._entries([(name, root)], None, False, None)
-        while stack:
-            obj, where, inherited = stack.pop()
+        # Depth first, in order, one container's entries at a time: the stack holds an
+        # iterator a container (not every entry), so a list of a million samples costs
+        # nothing until it is read, and the walk stops where its budget runs out.
+        stack: list[_Frame] = [(iter([(name, root)]), None, False, None)]
+        while stack and self.budget >= 0:
+            entries, where, is_attr, inherited = stack[-1]
+            try:
+                found = self._entries(entries, where, is_attr, inherited)
+            except Exception as exc:  # reading on raised: what was read is planned
+                stack.pop()
+                self._skip(where, "reading its entries", exc)
+                continue
+            if found is None:
+                stack.pop()
+                continue
+            obj, at, target = found
             if id(obj) in self.seen:  # containers, modules, optimizers
                 continue
             self.seen.add(id(obj))
-            if isinstance(obj, torch.nn.Module):
-                self._module(obj, where, inherited)
-            elif isinstance(obj, torch.optim.Optimizer):
-                self._optimizer(obj, where, inherited)
-            elif isinstance(obj, dict):
-                stack += self._entries(obj.items(), where, False, inherited)
-            elif isinstance(obj, (list, tuple)):
-                stack += self._entries(enumerate(obj), where, False, inherited)
-            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                fields = [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
-                stack += self._entries(fields, where, True, inherited)
+            try:
+                stack += reversed(self._expand(obj, at, target))
+            except Exception as exc:  # a mapping whose items() raises, a property that does
+                self._skip(at, f"its {type(obj).__name__}", exc)
+
+    def _skip(self, where: _Where, what: str, exc: Exception) -> None:
+        self.skipped.append(
+            f"{_label(where)}, where {what} raised {type(exc).__name__}: {first_sentence(exc)}"
+        )
+
+    def _expand(self, obj: object, where: _Where, inherited) -> list[_Frame]:
+        """Plan the tensors of a module or optimizer; return the entries to walk (frames)."""
+        if isinstance(obj, torch.nn.Module):
+            return self._module(obj, where, inherited)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._optimizer(obj, where, inherited)
+        if isinstance(obj, dict):
+            return [(iter(obj.items()), where, False, inherited)]
+        if isinstance(obj, (list, tuple)):
+            return [(enumerate(obj), where, False, inherited)]
+        fields = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+        return [(iter(fields), where, True, inherited)]
 
     def _entries(
-        self, entries: Iterable[tuple], where: _Where | None, is_attr: bool, inherited
-    ) -> list[tuple[object, _Where, torch.device | None]]:
-        """Plan the tensors among `entries`, the (key, value) pairs of what was found at `where`;
-        return the other values to walk, with where they are and the target they inherit."""
+        self, entries: Iterator[tuple], where: _Where | None, is_attr: bool, inherited
+    ) -> tuple[object, _Where, torch.device | None] | None:
+        """Plan the tensors among `entries`, the (key, value) pairs of what was found at `where`,
+        up to the next value to walk: return it, with where it is and the target it inherits,
+        or None when none is left (or the budget is spent)."""
         # The hot path of a move, one pass per tensor with no call of its own: each torch
         # attribute read here costs about as much as the Python around it. A tensor found
         # again is planned again, and `_group` drops it (its storage key gives it away):
         # memoising ids here took 0.15 µs a tensor, a tenth of the move to meta.
         tensors, targets, found_at = self.tensors, self.targets, self.where
         device, home = self.device, self.home
-        rest = []
+        walkable, budget = _WALKABLE, self.budget
+        to_meta = device is not None and device.type == "meta"
         for key, t in entries:
             if not isinstance(t, Tensor):
-                if type(t) not in _SCALARS:  # a list of a million ints stays cheap
-                    rest.append((t, (where, key, is_attr), inherited))
+                budget -= 1  # a list of a million (array, label) pairs stops here
+                if budget < 0:
+                    break
+                entered = walkable.get(type(t))
+                if entered is None:
+                    entered = _walkable(type(t))
+                if entered:
+                    self.budget = budget
+                    return t, (where, key, is_attr), inherited
                 continue
-            target = device if home is None else home.get(id(t), inherited)
-            if target is None or t.device == target:
-                continue
+            if home is None:
+                if t.is_meta if to_meta else t.device == device:  # is_meta: 30 ns less
+                    continue
+                target = device
+            else:
+                target = home.get(id(t), inherited)
+                if target is None or t.device == target:
+                    continue
+                targets.append(target)
             label = (where, key, is_attr)
             tensors.append(t)
-            targets.append(target)
             found_at.append(label)
             if t.requires_grad:  # else it is a leaf
                 if not t.is_leaf:
@@ -226,26 +295,30 @@ class _Plan:
             grad = t.grad  # a tensor that does not require grad may still have one
             if grad is not None and id(t) not in self.grads:  # (grads can form a cycle)
                 self.grads[id(t)] = (t, grad)
-                self._entries([("grad", grad)], label, True, target)
-        return rest
+                self._entries(iter([("grad", grad)]), label, True, target)
+        self.budget = budget
+        return None
 
-    def _module(self, module: torch.nn.Module, where: _Where, inherited) -> None:
+    def _module(self, module: torch.nn.Module, where: _Where, inherited) -> list[_Frame]:
         if self.module_targets is not None:
             inherited = self.module_targets.get(id(module), inherited)
         for prefix, sub in module.named_modules():
             label = (where, prefix, True) if prefix else where
             for kind in (sub._parameters, sub._buffers):
-                found = [(k, t) for k, t in kind.items() if t is not None and not _is_lazy(t)]
+                found = [(k, t) for k, t in kind.items() if t is not None and not is_lazy(t)]
                 if found:
                     self.module_home.setdefault(id(module), found[0][1].device)
-                    self._entries(found, label, True, inherited)
+                    self._entries(iter(found), label, True, inherited)
+        return []
 
-    def _optimizer(self, opt: torch.optim.Optimizer, where: _Where, inherited) -> None:
+    def _optimizer(self, opt: torch.optim.Optimizer, where: _Where, inherited) -> list[_Frame]:
         self.optimizers.append(opt)
+        frames = []
         for g, group in enumerate(opt.param_groups):
             step_stays = not (group.get("capturable") or group.get("fused"))
             params = group["params"]
-            self._entries([(g, p) for p in params], (where, "param_groups", True), False, inherited)
+            found = [(g, p) for p in params]
+            self._entries(iter(found), (where, "param_groups", True), False, inherited)
             for k, p in enumerate(params):
                 target = self.device if self.home is None else self.home.get(id(p), inherited)
                 state = [
@@ -254,16 +327,17 @@ class _Plan:
                     if not (key == "step" and step_stays)
                 ]
                 label = ((where, "state", True), f"<param {g}.{k}>", False)
-                self._entries(state, label, False, target)
+                frames.append((iter(state), label, False, target))  # LBFGS keeps lists of them
+        return frames
 
     def _group(self) -> None:
         """Drop the tensors found twice, find those that share a storage (views, `.data`
         aliases), and count each copy's bytes."""
         try:
-            keys = [_storage_id(t) for t in self.tensors]
+            keys = list(map(storage_id, self.tensors))
             stored = True  # so none is sparse, the only kind whose `nbytes` misleads
         except (RuntimeError, NotImplementedError):  # a sparse or other storage-less tensor
-            keys = [_storage_key(t) for t in self.tensors]
+            keys = [storage_key(t) for t in self.tensors]
             stored = False
         if len(set(keys)) < len(keys):  # a tensor found twice shares a storage with itself
             keys = self._drop_found_again(keys)
@@ -273,7 +347,7 @@ class _Plan:
                 if j != i:
                     self.shared.setdefault(j, [j]).append(i)
         tensors = self.tensors
-        self.nbytes = [t.nbytes for t in tensors] if stored else [_nbytes(t) for t in tensors]
+        self.nbytes = list(map(_NBYTES if stored else stored_bytes, tensors))
         for j, members in self.shared.items():
             self.nbytes[j] = _span([tensors[i] for i in members])[1]
             for i in members[1:]:
@@ -286,10 +360,11 @@ class _Plan:
         if all(keep):
             return keys
         index = list(itertools.accumulate(keep, initial=0))  # each old index's new one
-        self.tensors, self.targets, self.where, keys = (
-            list(itertools.compress(column, keep))
-            for column in (self.tensors, self.targets, self.where, keys)
+        self.tensors, self.where, keys = (
+            list(itertools.compress(column, keep)) for column in (self.tensors, self.where, keys)
         )
+        if isinstance(self.targets, list):
+            self.targets = list(itertools.compress(self.targets, keep))
         self.names = [(name, index[a], index[b]) for name, a, b in self.names]
         self.requiring_grad = [index[i] for i in self.requiring_grad if keep[i]]
         self.with_history = [index[i] for i in self.with_history if keep[i]]
@@ -310,20 +385,24 @@ class _Plan:
         return mappings, values
 
 
-def _nbytes(t: Tensor) -> int:
-    """Bytes of `t`'s data; a sparse tensor's are those of its index and value tensors."""
-    parts = _SPARSE_PARTS.get(t.layout)
-    with contextlib.suppress(RuntimeError):
-        return t.nbytes if parts is None else sum(getattr(t, name)().nbytes for name in parts)
-    return 0
+class _Same:
+    """The targets of a move that sends everything to one device, without a list."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __getitem__(self, i: int) -> torch.device:
+        return self.device
+
+    def __iter__(self) -> Iterator[torch.device]:
+        return itertools.repeat(self.device)
 
 
-def _storage_key(t: Tensor) -> int:
-    """What identifies the storage of `t`: tensors that share one get the same key."""
-    try:
-        return _storage_id(t)
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-        return id(t)
+def _walkable(cls: type) -> bool:
+    """Whether the walk enters objects of type `cls` (learnt once a type: the walk's hot path)."""
+    entered = issubclass(cls, (dict, list, tuple, torch.nn.Module, torch.optim.Optimizer))
+    _WALKABLE[cls] = entered = entered or dataclasses.is_dataclass(cls)
+    return entered
 
 
 def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
@@ -342,20 +421,21 @@ def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | N
     if home is not None:
         for old, new in rebound.items():
             home[id(new)] = home.pop(old)
-    _reattach_grads(plan.grads.values(), rebound)
     by_name = {name: sum(plan.nbytes[first:last]) for name, first, last in plan.names}
     target = device if device is not None else _first_target(plan)
+    _sync(target)  # the copies may still be queued: the time is the time they took
     return MoveResult(
         target,
         {name: n for name, n in by_name.items() if n},
         time.perf_counter() - start,
         history + notes,
         undo,
+        plan.skipped,
     )
 
 
 def _first_target(plan: _Plan) -> torch.device:
-    return plan.targets[0] if plan.targets else torch.device("cpu")
+    return plan.targets[0] if plan.tensors else torch.device("cpu")
 
 
 def _copy_all(plan: _Plan) -> list[Tensor] | str:
@@ -372,6 +452,7 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
             for group in plan.shared.values():  # each as one span
                 _copy_storage(plan, group, spans)
                 if bar is not None:
+                    _sync(targets[group[0]])
                     bar.update(plan.nbytes[group[0]])
             group = None
             if spans or bar is not None:
@@ -380,6 +461,7 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
                     if new is None:  # a tensor with a storage of its own
                         new = t.to(target)
                         if bar is not None:
+                            _sync(target)
                             bar.update(plan.nbytes[i])
                     news.append(new)
             else:  # the same without a Python step per tensor (about 0.15 µs a tensor less)
@@ -418,6 +500,11 @@ def _copy_storage(plan: _Plan, members: list[int], spans: dict[int, Tensor]) -> 
         size = t.element_size()
         new = torch.empty(0, dtype=t.dtype, device=target)
         new.set_(storage, t.storage_offset() - lo // size, t.size(), t.stride())
+        # A lazy view (`c.conj()`, `r._neg_view()`) is its bytes and a bit: set it again.
+        if t.is_neg():
+            new = new._neg_view()
+        if t.is_conj():
+            new = new.conj()
         spans[j] = new
 
 
@@ -437,7 +524,7 @@ def _span(group: list[Tensor]) -> tuple[int, int]:
 def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
     t = plan.tensors[members[0]]
     what = _label(plan.where[members[0]])
-    size = fmt_bytes(sum(_nbytes(plan.tensors[j]) for j in members))
+    size = fmt_bytes(sum(stored_bytes(plan.tensors[j]) for j in members))
     if t.device.type == "meta":
         reason = "it is on the meta device, which holds no data"
     elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():
@@ -451,80 +538,164 @@ def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
 def _commit(
     ns: dict, plan: _Plan, news: list[Tensor], undo: _Undo | None
 ) -> tuple[list[str], dict[int, Tensor]]:
-    """Phase 3: give every tensor its copy in place; rebind what torch will not change."""
-    originals = undo.originals if undo is not None else None
-    if originals is not None:
-        for t in plan.tensors:
-            alias = t.detach().requires_grad_(t.requires_grad and t.is_leaf)
-            originals.append((t, alias))
-    pending = _swap_all(plan.tensors, news)
+    """Phase 3, all or nothing: give every tensor its copy in place; rebind what torch will
+    not change. An error undoes what was done and says so in one line; so does SIGINT,
+    which waits for the commit to end, then goes on."""
+    undo_log: list[Callable[[], object]] = []  # what undoes each change made, run last first
+    keep_originals = undo is not None and undo.originals is not None
+    failure = None
+    with _sigint_held() as interrupted:
+        try:
+            notes, replaced, refused = _apply(ns, plan, news, undo_log)
+        except Exception as exc:
+            failure = (
+                f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
+                f"{first_sentence(exc)}; nothing was moved."
+            )
+        if failure is not None or interrupted:
+            for step in reversed(undo_log):
+                step()
+        elif keep_originals:  # each swapped copy holds an original
+            skip = set(refused)
+            undo.originals += [
+                (t, k) for i, (t, k) in enumerate(zip(plan.tensors, news)) if i not in skip
+            ]
+            undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
+        else:  # done: what follows needs no undoing
+            notes += _held_elsewhere(plan, news, refused)
+        news.clear()  # frees the old data
+    if failure is not None:
+        raise DeviceMagicError(failure)  # outside the except block: no tensors ride on it
+    return notes, {id(plan.tensors[i]): new for i, new in replaced.items()}
+
+
+def _apply(
+    ns: dict, plan: _Plan, news: list[Tensor], undo_log: list[Callable[[], object]]
+) -> tuple[list[str], dict[int, Tensor], list[int]]:
+    """The commit's changes, each logged in `undo_log` with what undoes it; returns the notes,
+    the new tensors that replace those (by index) that could not be changed in place, and
+    the indices of those that were not swapped."""
+    tensors = plan.tensors
+    undo_log.append(functools.partial(_reattach_grads, list(plan.grads.values()), {}))
+    refused = _swap_all(tensors, news)
+    undo_log.append(functools.partial(_swap_all, tensors, news, skip=set(refused)))
+    skip = set(refused)
+    for i in plan.requiring_grad:
+        if i not in skip:
+            _carry_hooks(tensors[i])
     notes: list[str] = []
     replaced: dict[int, Tensor] = {}
-    where = {id(t): w for t, w in zip(plan.tensors, plan.where, strict=True)} if pending else {}
-    for t, new in pending:
-        why = _swap_refusal(t) or "torch refused to swap it"
+    for i in refused:
+        t, new = tensors[i], news[i]
+        why = "torch cannot swap it" if _swap_impl is None else "torch refused to swap it"
         if torch._has_compatible_shallow_copy_type(t, new):
+            undo_log.append(functools.partial(setattr, t, "data", t.data))
             t.data = new
             notes.append(
-                f"{_label(where[id(t)])}: moved with .data because {why}; "
+                f"{_label(plan.where[i])}: moved with .data because {why}; "
                 "views of its old storage and autograd graphs that saved it stay behind"
             )
         else:
-            replaced[id(t)] = _like(t, new)
+            replaced[i] = _like(t, new)
             notes.append(
-                f"{_label(where[id(t)])}: replaced by a new tensor because {why}; "
+                f"{_label(plan.where[i])}: replaced by a new tensor because {why}; "
                 "references the cell does not name keep the old one"
             )
+    by_id = {id(tensors[i]): new for i, new in replaced.items()}
     if replaced:
-        _rebind(ns, [name for name, _, _ in plan.names], replaced)
-        if undo is not None:
-            undo.rebound.update({id(replaced[id(t)]): t for t, _ in pending if id(t) in replaced})
-            if originals is not None:
-                originals[:] = [(t, a) for t, a in originals if id(t) not in replaced]
-    return notes, replaced
+        _rebind(ns, [name for name, _, _ in plan.names], by_id, undo_log)
+    _reattach_grads(plan.grads.values(), by_id)
+    return notes, replaced, refused
 
 
-def _swap_all(olds: list[Tensor], news: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """Swap each of `olds` with its copy where allowed, emptying `news`; return those refused."""
-    # After a swap the copy holds the old tensor, which may still hold another
-    # (a view its base, a leaf its grad) and block that one's swap: dropping
-    # them (`news.clear()`, then each list of refused pairs) may unblock it, so
-    # retry while passes make progress.
-    refused = _swap_pass(zip(olds, news))
-    news.clear()
-    while refused:
-        retry = _swap_pass(refused)
-        if len(retry) == len(refused):
-            break
-        refused = retry
-    return refused
-
-
-def _swap_pass(pairs: Iterable[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-    """Swap every pair that can be swapped now; return the others."""
-    if _swap_impl is None:
-        return list(pairs)
-    refused = []
-    for t, new in pairs:  # the checks of `_swap_refusal`, inlined: this runs once a tensor
-        if getweakrefcount(t) or t._use_count() > 1:
-            refused.append((t, new))
+def _held_elsewhere(plan: _Plan, olds: list[Tensor], refused: list[int]) -> list[str]:
+    """After a commit, the old C++ tensors (held by the swapped copies, `olds`, but at
+    `refused`) that something outside the move holds (an autograd graph, a view the move
+    does not include): where torch allows it (not to or from meta), their tensors get them
+    back with the new data (`.data`), so that those holders see the move too; else a
+    backward pass through such a graph fails, saying why. Returns the notes."""
+    # Each old one is held once by its copy; more means another holder, unless it is a
+    # view's base or a grad that the move holds as well: those go once the others go.
+    for i in refused:
+        olds[i] = torch.empty(0)  # a copy in use, not an old tensor
+    counts = map(Tensor._use_count, olds)
+    held = [i for i, n in enumerate(counts) if n > 1]
+    if not held:
+        return []
+    keep = set(held)
+    olds[:] = [old if i in keep else None for i, old in enumerate(olds)]
+    notes = []
+    for i in held:
+        t, old, what = plan.tensors[i], olds[i], _label(plan.where[i])
+        if old._use_count() == 1:
             continue
-        try:
-            _swap_impl(t, new)  # `new` now holds the old tensor
+        if torch._has_compatible_shallow_copy_type(t, old):
+            _swap_impl(t, old)  # `t` gets its old C++ tensor back, then the new data
+            t.data = old
+            _reattach_grads([plan.grads[id(t)]] if id(t) in plan.grads else [], {})
+            notes.append(
+                f"{what}: moved with .data because an autograd graph or a view holds it; "
+                "views of its old storage and autograd graphs that saved it stay behind"
+            )
+        else:
+            _poison(old, what)
+            notes.append(
+                f"{what}: moved, but a view or an autograd graph made before still holds "
+                f"its old data on {old.device}"
+            )
+    return notes
+
+
+def _swap_all(olds: list[Tensor], news: list[Tensor], skip: set[int] = frozenset()) -> list[int]:
+    """Swap the C++ tensors of each of `olds` and its copy (but those at `skip`): the copy
+    then holds the old one. Returns the indices torch refused. Swapping again undoes it."""
+    if _swap_impl is None:  # torch < 2.3
+        return [i for i in range(len(olds)) if i not in skip]
+    # Unlike `torch.utils.swap_tensors`, with no check that nothing else holds the old C++
+    # tensor: whatever does (a view, an autograd graph) keeps it, as it was.
+    refused: list[int] = []
+    done: collections.deque = collections.deque(maxlen=1)  # the last index swapped
+    start = 0
+    while start < len(olds):
+        if start in skip:
+            start += 1
+            continue
+        end = min((i for i in skip if i > start), default=len(olds))
+        done.clear()
+        try:  # the loop in C: about 40 ns a tensor less than in Python
+            done.extend(zip(range(start, end), map(_swap_impl, olds[start:end], news[start:end])))
         except RuntimeError:  # a C++ weak reference to it
-            refused.append((t, new))
+            failed = done[0][0] + 1 if done else start
+            refused.append(failed)
+            start = failed + 1
+            continue
+        start = end
     return refused
 
 
-def _swap_refusal(t: Tensor) -> str | None:
-    """Why the C++ tensor under `t` cannot be swapped in place, or None if it can."""
-    if _swap_impl is None:
-        return f"torch {torch.__version__} cannot swap tensors"
-    if getweakrefcount(t):
-        return "a weak reference to it exists"
-    if t._use_count() > 1:
-        return "another tensor or an autograd graph holds it"
-    return None
+def _carry_hooks(t: Tensor) -> None:
+    """Register again on `t`'s new C++ tensor the autograd hooks that the old one held."""
+    # They are kept on the Python object too; setting them registers them with autograd.
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t, name, None)
+        if hooks:
+            setattr(t, name, hooks)
+
+
+def _poison(old: Tensor, what: str) -> None:
+    """Make a backward pass through a graph made before the move fail, saying why, instead
+    of putting its gradient into the old tensor that nobody sees (as swap_tensors does)."""
+    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)  # torch >= 2.2
+    if edge is None or not (old.is_leaf and old.requires_grad):
+        return
+
+    def refuse(grad_outputs: object) -> None:
+        raise RuntimeError(
+            f"{what} was moved to another device after this autograd graph was made; "
+            "run the forward pass again"
+        )
+
+    edge(old).node.register_prehook(refuse)
 
 
 def _like(t: Tensor, new: Tensor) -> Tensor:
@@ -537,15 +708,23 @@ def _like(t: Tensor, new: Tensor) -> Tensor:
     return new
 
 
-def _rebind(ns: dict, names: list[str], replaced: dict[int, Tensor]) -> None:
-    """Point every holder reachable from `names` at the replacements (tuples are rebuilt)."""
+def _rebind(
+    ns: dict, names: list[str], replaced: dict[int, Tensor], undo_log: list[Callable[[], object]]
+) -> None:
+    """Point every holder reachable from `names` at the replacements (tuples are rebuilt),
+    logging in `undo_log` what puts each holder back."""
     memo: dict[int, object] = {}
     for name in names:
         if name in ns:
-            ns[name] = _rebound(ns[name], replaced, memo)
+            old = ns[name]
+            if (new := _rebound(old, replaced, memo, undo_log)) is not old:
+                undo_log.append(functools.partial(ns.__setitem__, name, old))
+                ns[name] = new
 
 
-def _rebound(obj: object, replaced: dict[int, Tensor], memo: dict[int, object]) -> object:
+def _rebound(
+    obj: object, replaced: dict[int, Tensor], memo: dict[int, object], log: list
+) -> object:
     i = id(obj)
     if i in replaced:
         return replaced[i]
@@ -554,29 +733,31 @@ def _rebound(obj: object, replaced: dict[int, Tensor], memo: dict[int, object]) 
     memo[i] = obj
 
     def sub(v: object) -> object:
-        return _rebound(v, replaced, memo)
+        return _rebound(v, replaced, memo, log)
+
+    def put(holder: object, key: object, new: object) -> None:
+        log.append(functools.partial(holder.__setitem__, key, holder[key]))
+        holder[key] = new
 
     if isinstance(obj, torch.nn.Module):
         for m in obj.modules():
             for kind in (m._parameters, m._buffers):
-                for k, t in kind.items():
+                for k, t in list(kind.items()):
                     if id(t) in replaced:
-                        kind[k] = replaced[id(t)]
+                        put(kind, k, replaced[id(t)])
     elif isinstance(obj, torch.optim.Optimizer):
         for group in obj.param_groups:
-            group["params"][:] = [sub(p) for p in group["params"]]
+            put(group["params"], slice(None), [sub(p) for p in group["params"]])
         for p in [p for p in obj.state if id(p) in replaced]:
-            obj.state[replaced[id(p)]] = obj.state.pop(p)
+            new = replaced[id(p)]
+            log.append(functools.partial(_rekey, obj.state, new, p))
+            obj.state[new] = obj.state.pop(p)
         for state in obj.state.values():
             sub(state)
-    elif isinstance(obj, dict):
-        for k, v in list(obj.items()):
+    elif isinstance(obj, (dict, list)):
+        for k, v in list(obj.items() if isinstance(obj, dict) else enumerate(obj)):
             if (new := sub(v)) is not v:
-                obj[k] = new
-    elif isinstance(obj, list):
-        for k, v in enumerate(obj):
-            if (new := sub(v)) is not v:
-                obj[k] = new
+                put(obj, k, new)
     elif isinstance(obj, tuple):
         items = [sub(v) for v in obj]
         if any(a is not b for a, b in zip(items, obj, strict=True)):
@@ -585,42 +766,75 @@ def _rebound(obj: object, replaced: dict[int, Tensor], memo: dict[int, object]) 
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name, None)
             if (new := sub(v)) is not v:
+                log.append(functools.partial(object.__setattr__, obj, f.name, v))
                 object.__setattr__(obj, f.name, new)  # frozen dataclasses too
     return memo[i]
 
 
+def _rekey(mapping: dict, old: object, new: object) -> None:
+    mapping[new] = mapping.pop(old)
+
+
 def _reattach_grads(grads: Iterable[tuple[Tensor, Tensor]], replaced: dict[int, Tensor]) -> None:
     for t, g in grads:
-        replaced.get(id(t), t).grad = replaced.get(id(g), g)
+        t = replaced.get(id(t), t)
+        g = replaced.get(id(g), g)
+        if t.grad is not g:
+            t.grad = g
 
 
 def _put_back_originals(ns: dict, moved: MoveResult, undo: _Undo, start: float) -> MoveResult:
-    """Restore from a data-less device: the original tensors come back as they were."""
-    olds, originals = [t for t, _ in undo.originals], [o for _, o in undo.originals]
-    undo.originals = None  # so that `_swap_all` can drop what the swaps hand back
-    refused = _swap_all(olds, originals)
-    replaced = {id(t): _like(t, orig) for t, orig in refused}
-    replaced.update(undo.rebound)
-    if replaced:
-        _rebind(ns, undo.names, replaced)
-    _reattach_grads(undo.grads, replaced)
-    for opt, state in undo.optimizer_state:
-        opt.state.clear()
-        opt.state.update({p: dict(s) for p, s in state.items()})
-    with torch.no_grad():
-        for t, value in undo.values:
-            t.copy_(value)
+    """Restore from a data-less device: the original C++ tensors go back into their objects."""
+    pairs, undo.originals = undo.originals, None
+    olds, keepers = [t for t, _ in pairs], [k for _, k in pairs]
+    pairs.clear()
+    with _sigint_held():
+        refused = _swap_all(olds, keepers)  # the keepers now hold the meta ones
+        replaced = {id(olds[i]): _like(olds[i], keepers[i]) for i in refused}
+        replaced.update(undo.rebound)
+        if replaced:
+            _rebind(ns, undo.names, replaced, [])
+        for opt, state in undo.optimizer_state:
+            opt.state.clear()
+            opt.state.update({p: dict(s) for p, s in state.items()})
+        with torch.no_grad():
+            for t, value in undo.values:
+                t.copy_(value)
     notes = [
-        f"a tensor of {fmt_bytes(_nbytes(t))} came back as a new object: "
-        f"{_swap_refusal(t) or 'torch refused to swap it'}"
-        for t, _ in refused
+        f"a tensor of {fmt_bytes(stored_bytes(olds[i]))} came back as a new object: "
+        "torch refused to swap it"
+        for i in refused
     ]
+    count = len(olds) + len(undo.rebound)
+    keepers.clear()  # what the cell left holding the meta tensors keeps them; we let go
     return MoveResult(
         next(iter(undo.home.values()), torch.device("cpu")),
         dict(moved.names),
         time.perf_counter() - start,
         notes,
+        restored=count,
     )
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[list]:
+    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver it.
+
+    The block sees the signals caught so far in the list it gets. Only in the main thread
+    (where Python handles signals) and where a Python handler is in force."""
+    caught: list = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    if not callable(previous):  # ignored, the OS default, or set outside Python
+        yield caught
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        previous(signal.SIGINT, caught[0])  # the default one raises KeyboardInterrupt
 
 
 def _label(where: _Where) -> str:
@@ -628,10 +842,6 @@ def _label(where: _Where) -> str:
     if parent is None:
         return key
     return f"{_label(parent)}.{key}" if is_attr else f"{_label(parent)}[{key!r}]"
-
-
-def _is_lazy(t: Tensor) -> bool:
-    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
 
 
 def _canonical(device: torch.device) -> torch.device:
@@ -646,7 +856,10 @@ def _progress_bar(total_bytes: int, target: torch.device):  # -> tqdm | None
     """A bar in bytes for moves long enough to wait for; gone when done (leave=False)."""
     if total_bytes < _BAR_MIN_BYTES:
         return None
-    from tqdm.auto import tqdm
+    if _has_widgets():  # a widget in Jupyter, text elsewhere
+        from tqdm.auto import tqdm
+    else:  # tqdm.auto warns "IProgress not found" in Jupyter without ipywidgets
+        from tqdm.std import tqdm
 
     return tqdm(
         total=total_bytes,
@@ -656,6 +869,24 @@ def _progress_bar(total_bytes: int, target: torch.device):  # -> tqdm | None
         leave=False,
         desc=f"moving to {target}",
     )
+
+
+def _has_widgets() -> bool:
+    try:
+        return importlib.util.find_spec("ipywidgets") is not None
+    except (ImportError, ValueError):  # a broken install, or one blocked in sys.modules
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the work queued on `device`, where it is an accelerator whose runtime is up
+    (never starting one to wait on it): a clock read afterwards then sees it done."""
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    up = getattr(backend, "is_initialized", None)
+    if up is not None and up():
+        backend.synchronize(device)
 
 
 def _free_bytes(device: torch.device) -> int | None:

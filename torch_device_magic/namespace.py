@@ -28,11 +28,10 @@ import torch
 from torch import Tensor
 
 from .errors import first_sentence
-from .moving import _nbytes  # what a tensor stores, sparse ones included: one rule for both
 from .reports import Table
+from .tensors import WALK_LIMIT, is_lazy, stored_bytes
 from .units import fmt_bytes, plural
 
-WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hold no tensor
 # Their attributes are code and other modules, not the cell's data.
 _NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -322,8 +321,7 @@ def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
 
 def _materialised(tensors: Iterable[Tensor]) -> list[Tensor]:
     """Leave out a lazy module's parameters: they have no shape nor storage yet."""
-    lazy = torch.nn.parameter.UninitializedTensorMixin
-    return [t for t in tensors if not isinstance(t, lazy)]
+    return [t for t in tensors if not is_lazy(t)]
 
 
 def _storage(t: Tensor) -> tuple[tuple[str, int], int]:
@@ -332,7 +330,7 @@ def _storage(t: Tensor) -> tuple[tuple[str, int], int]:
         storage = t.untyped_storage()
         return (str(t.device), storage._cdata), storage.nbytes()
     except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
-        return (str(t.device), id(t)), _nbytes(t)
+        return (str(t.device), id(t)), stored_bytes(t)
 
 
 def _kind(obj: object) -> str:

@@ -1,0 +1,52 @@
+"""Facts about tensors that every walker of the namespace needs, each in one place.
+
+    >>> storage_key(a) == storage_key(a[2:])  # views share their base's storage
+    True
+    >>> stored_bytes(torch.eye(1000).to_sparse())  # what is stored, not the dense size
+    20000
+
+`%tensors`, `%%gpumem` and the mover all count and group tensors with these, so
+that one tensor reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
+
+# `t.untyped_storage()._cdata` without building a storage object on the way
+storage_id = getattr(torch._C, "_storage_id", lambda t: t.untyped_storage()._cdata)
+
+_COMPRESSED = ("values", "crow_indices", "col_indices")
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: _COMPRESSED,
+    torch.sparse_bsr: _COMPRESSED,
+    torch.sparse_csc: ("values", "ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("values", "ccol_indices", "row_indices"),
+}
+
+
+def stored_bytes(t: Tensor) -> int:
+    """Bytes of `t`'s data; a sparse tensor's are those of its index and value tensors."""
+    parts = _SPARSE_PARTS.get(t.layout)
+    with contextlib.suppress(RuntimeError):
+        return t.nbytes if parts is None else sum(getattr(t, name)().nbytes for name in parts)
+    return 0
+
+
+def storage_key(t: Tensor) -> int:
+    """What identifies the storage of `t`: tensors that share one get the same key."""
+    try:
+        return storage_id(t)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return id(t)
+
+
+def is_lazy(t: Tensor) -> bool:
+    """A lazy module's parameter that has no shape or data yet (`nn.LazyLinear`)."""
+    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)

@@ -38,6 +38,7 @@ MiB = 2**20
 
 TIME = re.compile(r"\b\d+ min \d+ s\b|\b\d+(?:\.\d+)? (?:µs|ms|s)\b")
 BYTES = r"[+-]?\b\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b"
+WALL = re.compile(rf"(?:{TIME.pattern}) \(device synchronised\)")  # %%gpumem's on a device
 HOST_RSS = re.compile(rf"{BYTES}, peak {BYTES} above the start")  # %%gpumem's host row
 
 
@@ -262,6 +263,22 @@ def test_the_gpumem_magic_shows_a_gpumem_report(ip, shown, golden):
         return varying(HOST_RSS.sub("<bytes>, peak <bytes> above the start", text))
 
     golden("gpumem_shell", report, lambda t: squeezed(normal(t)), normal)
+
+
+def test_the_gpumem_magic_on_a_fake_gpu_shows_its_device_figures(ip, shown, golden, monkeypatch):
+    machine = FakeMachine([Gpu(used=3 * GIB)]).install(monkeypatch)
+    machine.start_cuda(0)
+    ip.user_ns["machine"] = machine
+    run(ip, "%%gpumem\nmachine.allocate(0, 2**30)\nmachine.allocate(0, 2**29, keep=False)\n"
+            "machine.run(0, 20.0)\nsmall = torch.ones(3)")
+    [report] = shown
+    assert isinstance(report, GpumemReport) and report.device == "cuda:0"
+
+    def normal(text: str) -> str:  # the fake device's figures and clock are fixed
+        text = WALL.sub("<time> (device synchronised)", text)
+        return HOST_RSS.sub("<bytes>, peak <bytes> above the start", text)
+
+    golden("gpumem_shell_fake_gpu", report, lambda t: squeezed(normal(t)), normal)
 
 
 # --- %devhistory ----------------------------------------------------------------------------

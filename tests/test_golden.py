@@ -89,11 +89,11 @@ def shown(ip, monkeypatch) -> list[object]:
     objects: list[object] = []
     original = ip.display_formatter.format
 
-    def format(obj, *args, **kwargs):
+    def spy(obj, *args, **kwargs):
         objects.append(obj)
         return original(obj, *args, **kwargs)
 
-    monkeypatch.setattr(ip.display_formatter, "format", format)
+    monkeypatch.setattr(ip.display_formatter, "format", spy)
     return objects
 
 

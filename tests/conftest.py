@@ -43,6 +43,15 @@ class RaisingShell(InteractiveShell):
         return result
 
 
+def pytest_addoption(parser):
+    """`pytest --update-golden` rewrites tests/golden/ from what the tables render now
+    (as torchinfo's `--overwrite`); review the diff before committing it."""
+    parser.addoption(
+        "--update-golden", action="store_true", default=False,
+        help="rewrite the expected outputs in tests/golden/ instead of comparing with them",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` skip, saying why, where torch sees no CUDA GPU.
 

@@ -1,12 +1,17 @@
-"""The cell runner and `cell_names`: which names a cell reads, and a body that cannot run."""
+"""The cell runner, directly and under the magics: a body's value, `;`, the cell's number,
+`cell_names` (which names a cell reads), and a body that cannot run."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic.cells import cell_names
+from torch_device_magic import cells
+from torch_device_magic.cells import cell_names, cell_number, compiled, ends_with_semicolon
+from torch_device_magic.errors import DeviceMagicError
 
 
 @pytest.mark.parametrize(("code", "expected"), [
@@ -68,3 +73,58 @@ def test_top_level_await_is_refused_in_one_line(ip, magic):
         "await it in a cell of its own"
     )
     assert "ran" not in ip.user_ns and ip.user_ns["x"].device == torch.device("cpu")
+
+
+@pytest.mark.parametrize(("cell", "silent"), [
+    ("x", False), ("x;", True), ("x;  # quiet", True), ("x;\n\n", True), ("a = 1; b", False),
+    ("'a;'", False), ("f(';')", False), ("x = (", False), ("", False), ("# only;", False),
+])
+def test_a_trailing_semicolon_is_the_last_token_not_a_character(cell, silent):
+    assert ends_with_semicolon(cell) is silent
+
+
+def test_the_cell_number_is_the_displayhooks_when_it_has_one():
+    result = types.SimpleNamespace(execution_count=7)
+    shell = types.SimpleNamespace(displayhook=types.SimpleNamespace(exec_result=result),
+                                  execution_count=8)
+    assert cell_number(shell) == 7
+    shell.displayhook.exec_result = None  # outside a cell: the shell's counter
+    assert cell_number(shell) == 8
+
+
+def test_the_cell_number_inside_a_cell_is_its_in_number(shell):
+    n = shell.execution_count
+    shell.run_cell("from torch_device_magic.cells import cell_number\n"
+                   "n = cell_number(get_ipython())", store_history=True)
+    assert shell.user_ns["n"] == n
+
+
+def test_run_binds_in_the_namespace_and_returns_the_last_expression(shell):
+    assert cells.run(shell, "x = 2\ndef f():\n    return x * 21\nf()") == 42
+    assert shell.user_ns["x"] == 2 and callable(shell.user_ns["f"])
+    assert cells.run(shell, "x + 1;") is None  # silenced, as Out[n] is
+    assert cells.run(shell, "y = x") is None and shell.user_ns["y"] == 2
+
+
+def test_run_transforms_the_cell_as_ipython_does(shell):
+    assert cells.run(shell, "z = %pwd\nlen(z) > 0") is True
+
+
+def test_run_lets_the_users_exception_through_unchanged(shell):
+    shell.user_ns["error"] = KeyError("mine")
+    with pytest.raises(KeyError) as err:
+        cells.run(shell, "ran = True\nraise error")
+    assert err.value is shell.user_ns["error"] and shell.user_ns["ran"] is True
+
+
+def test_compiled_compiles_once_and_runs_at_each_call(shell, monkeypatch):
+    shell.user_ns["runs"] = []
+    execute = compiled(shell, "runs.append(1)\nlen(runs)")
+    monkeypatch.setattr(shell, "transform_cell", None)  # it is not transformed again
+    assert [execute(), execute(), execute()] == [1, 2, 3]
+
+
+def test_compiled_refuses_a_syntax_error_before_anything_runs(shell, capsys):
+    with pytest.raises(DeviceMagicError, match="the cell did not run: it has the syntax error"):
+        compiled(shell, "ran = True\nx +")
+    assert "SyntaxError" in capsys.readouterr().out and "ran" not in shell.user_ns

@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 from fakegpu import GIB, FakeMachine, Gpu, GpuIsLost, LibraryNotFound, NoPermission, mig
-from IPython.core.error import UsageError
 
 from torch_device_magic import devices
 from torch_device_magic.devices import DeviceInfo, Inventory, cuda_order, pick_auto, resolve
@@ -294,19 +293,6 @@ def test_without_nvml_cuda_is_listed_by_count_and_cuda_does_not_start(monkeypatc
     assert resolve("cuda:1", inv)[1] == "cuda:1 (CUDA GPU (named once CUDA starts))"
 
 
-def test_a_broken_driver_without_nvml_is_one_clear_line(ip, monkeypatch):
-    machine = FakeMachine([Gpu()], nvml=False).install(monkeypatch)
-    machine.count_error = RuntimeError("Found no NVIDIA driver on your system.\nPlease check")
-    with pytest.raises(UsageError) as err:
-        ip.run_line_magic("device", "cuda")
-    assert str(err.value) == (
-        "cuda is not available (cuda: NVML is not available (NVMLError_LibraryNotFound); "
-        "CUDA says: RuntimeError: Found no NVIDIA driver on your system.): "
-        "this machine has cpu, meta"
-    )
-    assert not machine.initialized
-
-
 def test_xpu_is_listed_by_count_until_its_runtime_is_up(monkeypatch):
     def starts_xpu(i):
         raise AssertionError("get_device_name initialises XPU")
@@ -318,32 +304,6 @@ def test_xpu_is_listed_by_count_until_its_runtime_is_up(monkeypatch):
     assert [(d.device, d.name) for d in devices._xpu_devices()] == [
         ("xpu:0", "XPU (named once XPU starts)")
     ]
-
-
-def test_device_cuda_n_becomes_the_current_device_without_starting_cuda(ip, monkeypatch):
-    machine = FakeMachine([Gpu(used=70 * GIB), Gpu(used=GIB)]).install(monkeypatch)
-    ip.run_line_magic("device", "auto")
-    assert ip.user_ns["device"] == torch.device("cuda:1")
-    assert not machine.initialized and machine.contexts == set()
-    machine.start_cuda()  # the first CUDA tensor
-    assert machine.current == 1 and machine.contexts == {1}
-    ip.run_line_magic("device", "cuda:0")  # CUDA runs now: at once
-    assert machine.current == 0
-
-
-@pytest.mark.parametrize("started", [False, True])
-@pytest.mark.parametrize("then", ["reset", "cpu", "cuda", "unload"])
-def test_leaving_cuda_n_puts_back_the_current_device_it_replaced(ip, monkeypatch, started, then):
-    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
-    if started:
-        machine.start_cuda()
-    ip.run_line_magic("device", "cuda:1")
-    if then == "unload":
-        ip.run_line_magic("unload_ext", "torch_device_magic")
-    else:
-        ip.run_line_magic("device", then)
-    machine.start_cuda()
-    assert machine.current == 0
 
 
 def test_inventory_on_this_machine_lists_the_cpu_with_its_ram():

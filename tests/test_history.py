@@ -1,4 +1,5 @@
-"""The per-cell history: the session peak that the per-cell peak resets would otherwise lose."""
+"""The per-cell history without a shell: bounded, its table, and the session peak that the
+per-cell peak resets would otherwise lose."""
 
 from __future__ import annotations
 
@@ -30,3 +31,16 @@ def test_without_device_figures_there_is_no_session_peak():
     history = History()
     history.append(cell(1, None, start=0, delta=0, peak=0))
     assert history.session_peaks() == {} and "session peak" not in history.table().text()
+
+
+def test_a_history_of_one_cell_reads_in_the_singular():
+    kept = History()
+    kept.append(Measurement(0.1, cell=1))
+    assert kept.table().title == "per-cell history: 1 cell (the last 1000 are kept)"
+
+
+def test_history_is_bounded():
+    kept = History(maxlen=3)
+    for n in range(10):
+        kept.append(Measurement(0.1, cell=n))
+    assert [r.cell for r in kept] == [7, 8, 9]

@@ -1,4 +1,4 @@
-"""Probes and the Meter, without a shell: exact host peaks, None for what cannot be read."""
+"""Probes without a shell: exact host peaks, None for what cannot be read, NVML by UUID."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import pytest
 import torch
 from fakegpu import GIB, FakeMachine, Gpu, mig
 
-from torch_device_magic import measure, probes
-from torch_device_magic.measure import Meter
+from torch_device_magic import probes
 from torch_device_magic.probes import Accelerator, PeakSampler, ProcHighWater
 
 MiB = 2**20
-HAS_ACCELERATOR = probes.active_accelerator() is not None
 
 
 def host_probes():
@@ -94,180 +92,6 @@ def test_sampler_with_a_failing_reading_gives_none():
     sampler.start()
     assert sampler.stop() == (None, None)
     sampler.close()
-
-
-@pytest.mark.skipif(HAS_ACCELERATOR, reason="an accelerator runtime is up")
-def test_without_an_accelerator_device_fields_are_none():
-    meter = Meter()
-    meter.start()
-    m = meter.stop()
-    meter.close()
-    assert probes.active_accelerator() is None
-    assert m.device is None
-    assert m.device_s is m.device_delta_bytes is m.device_peak_bytes is None
-    assert m.device_reserved_delta_bytes is None
-    assert m.host_peak_bytes is not None and m.wall_s > 0
-
-
-def meter_on(monkeypatch, module) -> Meter:
-    accel = Accelerator("cuda", 0)
-    accel._module = module
-    monkeypatch.setattr(measure, "active_accelerator", lambda device=None, kinds=None: accel)
-    monkeypatch.setattr(measure, "devices_in_use", lambda main: [main])
-    return Meter()
-
-
-def two_gpus(monkeypatch, **kwargs) -> FakeMachine:
-    """Two GPUs, CUDA up with a context on each (as after using both)."""
-    machine = FakeMachine([Gpu("A"), Gpu("B")], **kwargs).install(monkeypatch)
-    machine.start_cuda(0)
-    machine.context(1, "earlier work")
-    return machine
-
-
-def measured(machine: FakeMachine, cell, device=None) -> measure.Measurement:
-    meter = Meter()
-    try:
-        meter.start(device)
-        cell(machine)
-        return meter.stop()
-    finally:
-        meter.close()
-
-
-def test_meter_turns_allocator_readings_into_delta_peak_reserved_and_device_time(monkeypatch):
-    machine = two_gpus(monkeypatch)
-    machine.allocate(0, 100)
-
-    def cell(m):
-        m.allocate(0, 1000, keep=False)
-        m.allocate(0, 50)
-        m.run(0, 250.0)
-
-    m = measured(machine, cell)
-    assert (m.device, m.device_delta_bytes, m.device_peak_bytes) == ("cuda:0", 50, 1000)
-    assert m.device_reserved_delta_bytes == 1000
-    assert m.device_s == pytest.approx(0.25)
-    assert m.device_allocated_bytes == 150
-    assert m.other_devices is None and m.device_error is None
-
-
-def test_device_time_goes_on_the_measured_devices_stream_and_touches_no_other_gpu(monkeypatch):
-    """After `%device cuda:1`, the events go on cuda:1's stream, not the current device's."""
-    machine = FakeMachine([Gpu("A"), Gpu("B")]).install(monkeypatch)
-    machine.start_cuda(1)  # cuda:0 stays the current device, without a context
-    m = measured(machine, lambda m: m.run(1, 40.0), device="cuda:1")
-    assert m.device == "cuda:1" and m.device_s == pytest.approx(0.040)
-    assert machine.contexts == {1}  # no event, no synchronise started a context on cuda:0
-    assert {d for call, d in machine.calls if call == "Event.record"} == {1}
-
-
-def test_every_device_the_cell_changed_is_synchronised_and_named(monkeypatch):
-    machine = two_gpus(monkeypatch)
-
-    def both(m):
-        m.allocate(0, 10)
-        m.allocate(1, 2 * GIB)
-
-    m = measured(machine, both)
-    synced = {d for call, d in machine.calls if call == "synchronize"}
-    assert synced == {0, 1}
-    assert (m.device, m.device_delta_bytes, m.other_devices) == ("cuda:0", 10, "cuda:1")
-    assert "cuda:0 (also used: cuda:1)" in m.summary()
-    only_other = measured(machine, lambda m: m.allocate(1, GIB))
-    assert (only_other.device, only_other.device_delta_bytes) == ("cuda:1", GIB)
-    assert only_other.other_devices is None
-
-
-def test_a_device_without_a_context_is_neither_read_for_time_nor_synchronised(monkeypatch):
-    machine = FakeMachine([Gpu("A"), Gpu("B"), Gpu("C")]).install(monkeypatch)
-    machine.start_cuda(0)
-    m = measured(machine, lambda m: m.allocate(0, 10))
-    assert machine.contexts == {0} and m.device == "cuda:0"
-    assert {d for call, d in machine.calls if call == "synchronize"} == {0}
-
-
-def test_the_session_device_without_a_context_is_not_asked_for_counters(monkeypatch):
-    """cudaMallocAsync reads its counters and resets its peak under a device guard, which
-    makes a context: a device that has none (`%device cuda:1`, not used yet) is not asked."""
-    machine = FakeMachine([Gpu("A"), Gpu("B")], backend="cudaMallocAsync").install(monkeypatch)
-    machine.start_cuda(0)
-    m = measured(machine, lambda m: None, device="cuda:1")
-    asked = {d for call, d in machine.calls if call in ("memory_stats", "reset_peak_memory_stats")}
-    assert asked == {0} and machine.contexts == {0}
-    assert (m.device, m.device_delta_bytes, m.device_s) == ("cuda:1", 0, None)
-
-
-def test_without_sync_nothing_is_waited_for_and_there_is_no_device_time(monkeypatch):
-    machine = two_gpus(monkeypatch)
-    meter = Meter(sync=False)
-    meter.start()
-    machine.run(0, 5.0)
-    m = meter.stop()
-    meter.close()
-    assert m.device == "cuda:0" and m.device_s is None
-    assert not any(call == "synchronize" for call, _ in machine.calls)
-
-
-def test_device_time_reads_as_the_current_streams(monkeypatch):
-    machine = two_gpus(monkeypatch)
-    m = measured(machine, lambda m: m.run(0, 12.5))
-    assert "cuda:0 12.5 ms current stream, 0 B (peak 0 B)" in m.summary()
-
-
-@pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
-def test_in_place_work_keeps_its_device_time_under_every_allocator(monkeypatch, backend):
-    """No allocation (an in-place op, a CUDA-graph replay) and cudaMallocAsync, whose
-    allocation counter stays 0: the device time is still measured."""
-    machine = two_gpus(monkeypatch, backend=backend)
-    m = measured(machine, lambda m: m.run(0, 30.0))
-    assert m.device_s == pytest.approx(0.030)
-    assert probes._accelerator("cuda", 0).allocator() == backend
-
-
-def test_without_memory_caching_the_counters_read_n_a_not_zero(monkeypatch):
-    machine = two_gpus(monkeypatch)
-    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
-    m = measured(machine, lambda m: m.run(0, 5.0))
-    assert m.device_delta_bytes is m.device_peak_bytes is m.device_reserved_delta_bytes is None
-    assert "current stream, n/a (peak n/a)" in m.summary()
-    assert m.device_s == pytest.approx(0.005)
-    assert probes._accelerator("cuda", 0).allocator() == "uncached"
-
-
-def test_a_sticky_cuda_error_at_the_end_of_the_cell_is_kept_and_said(monkeypatch):
-    machine = two_gpus(monkeypatch)
-
-    def crash(m):
-        m.run(0, 1.0)
-        m.sticky = "an illegal memory access was encountered"
-
-    m = measured(machine, crash)
-    assert m.device_error == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert m.summary().endswith(
-        "| a CUDA error surfaced at the end of the cell: "
-        "RuntimeError: CUDA error: an illegal memory access was encountered"
-    )
-    assert m.device_s is None  # the events cannot be read after it
-
-
-def test_a_broken_accelerator_reads_none_and_never_raises(monkeypatch):
-    class Broken:
-        def __getattr__(self, name):
-            def fail(*args, **kwargs):
-                raise RuntimeError(f"{name} failed")
-
-            return fail
-
-    meter = meter_on(monkeypatch, Broken())
-    meter.start()
-    m = meter.stop()
-    meter.close()
-    assert m.device == "cuda:0"
-    assert m.device_s is m.device_delta_bytes is m.device_peak_bytes is None
-    assert m.device_reserved_delta_bytes is None
-    assert m.host_peak_bytes is not None
-    assert "cuda:0 n/a (peak n/a)" in str(m)
 
 
 def test_nvml_answers_none_without_a_cuda_device_or_a_driver(monkeypatch):

@@ -276,19 +276,6 @@ def test_devhistory_plot_draws_time_and_memory(ip):
     assert len(fig.axes) == 2
 
 
-def test_a_history_of_one_cell_reads_in_the_singular():
-    kept = History()
-    kept.append(Measurement(0.1, cell=1))
-    assert kept.table().title == "per-cell history: 1 cell (the last 1000 are kept)"
-
-
-def test_history_is_bounded():
-    kept = History(maxlen=3)
-    for n in range(10):
-        kept.append(Measurement(0.1, cell=n))
-    assert [r.cell for r in kept] == [7, 8, 9]
-
-
 # A device this machine lacks is refused, not measured as "no accelerator" or all n/a.
 BAD_GPUMEM_DEVICES = []
 if torch.cuda.device_count() <= 7:

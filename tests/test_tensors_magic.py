@@ -11,7 +11,6 @@ from IPython.core.error import UsageError
 
 from torch_device_magic import namespace
 from torch_device_magic.namespace import scan
-from torch_device_magic.units import parse_bytes
 
 Batch = namedtuple("Batch", "x y")
 
@@ -153,13 +152,6 @@ def test_lazy_modules_do_not_break_the_listing():
 
 def test_empty_namespace_says_so():
     assert str(scan({"n": 1})) == "no tensors, modules or optimizers in the namespace"
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("0", 0), ("1048576", 2**20), ("1MiB", 2**20), ("1.5 GB", 1_500_000_000), ("2kb", 2000),
-])
-def test_sizes_read_with_units(text, expected):
-    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["1e400", "1e400KiB", "9" * 400])

@@ -1,0 +1,48 @@
+"""`%device` through a shell on a fake CUDA machine: a broken driver in one line, and CUDA's
+current device set, and put back, without starting CUDA before it has to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakegpu import GIB, FakeMachine, Gpu
+from IPython.core.error import UsageError
+
+
+def test_a_broken_driver_without_nvml_is_one_clear_line(ip, monkeypatch):
+    machine = FakeMachine([Gpu()], nvml=False).install(monkeypatch)
+    machine.count_error = RuntimeError("Found no NVIDIA driver on your system.\nPlease check")
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("device", "cuda")
+    assert str(err.value) == (
+        "cuda is not available (cuda: NVML is not available (NVMLError_LibraryNotFound); "
+        "CUDA says: RuntimeError: Found no NVIDIA driver on your system.): "
+        "this machine has cpu, meta"
+    )
+    assert not machine.initialized
+
+
+def test_device_cuda_n_becomes_the_current_device_without_starting_cuda(ip, monkeypatch):
+    machine = FakeMachine([Gpu(used=70 * GIB), Gpu(used=GIB)]).install(monkeypatch)
+    ip.run_line_magic("device", "auto")
+    assert ip.user_ns["device"] == torch.device("cuda:1")
+    assert not machine.initialized and machine.contexts == set()
+    machine.start_cuda()  # the first CUDA tensor
+    assert machine.current == 1 and machine.contexts == {1}
+    ip.run_line_magic("device", "cuda:0")  # CUDA runs now: at once
+    assert machine.current == 0
+
+
+@pytest.mark.parametrize("started", [False, True])
+@pytest.mark.parametrize("then", ["reset", "cpu", "cuda", "unload"])
+def test_leaving_cuda_n_puts_back_the_current_device_it_replaced(ip, monkeypatch, started, then):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    if started:
+        machine.start_cuda()
+    ip.run_line_magic("device", "cuda:1")
+    if then == "unload":
+        ip.run_line_magic("unload_ext", "torch_device_magic")
+    else:
+        ip.run_line_magic("device", then)
+    machine.start_cuda()
+    assert machine.current == 0

@@ -345,7 +345,7 @@ class TorchDeviceMagics(Magics):
         dev = self._cell_device(args.spec)
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
-                 else cells.cell_names(self.shell.transform_cell(cell)))
+                 else cells.names_read(self.shell, cell))
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
@@ -509,7 +509,10 @@ class TorchDeviceMagics(Magics):
             raise DeviceMagicError("%%devcompare needs -n 1 or more and --warmup 0 or more")
         cuda = any(d.startswith("cuda") for d in args.devices)
         chosen = devices_to_compare(args.devices, take_inventory(probe_cuda_runtime=cuda))
-        result = compare(self.shell, cell, chosen, args.runs, args.warmup)
+        run = cells.compiled(self.shell, cell)
+        hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
+        reads = [n for n in cells.names_read(self.shell, cell) if n not in hidden]
+        result = compare(self.shell.user_ns, run, reads, chosen, args.runs, args.warmup)
         if args.output:
             return result
         display(result)
@@ -598,7 +601,7 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         args = parse(self.gpumem, line)
         device = None if args.device is None else self._resolve(args.device)[0]
-        report, value = gpumem.measure(self.shell, cell, device)
+        report, value = gpumem.measure(self.shell.user_ns, cells.compiled(self.shell, cell), device)
         self.reporter.adopt(report)
         if args.output:
             return report

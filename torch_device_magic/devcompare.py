@@ -129,7 +129,8 @@ def compare(
     began."""
     __tracebackhide__ = True
     names = _tensor_names(namespace, reads)
-    timings, reference = [], None
+    timings: list[DeviceTiming] = []
+    reference = None
     for i, dev in enumerate(devices):
         try:
             with _rng_kept(devices):  # each device starts from the notebook's random state
@@ -139,7 +140,9 @@ def compare(
             raise
         if i == 0:
             reference = value
-        speedup = timings[0].median_s / statistics.median(runs_s) if timings else 1.0
+        speedup: float | None = (
+            timings[0].median_s / statistics.median(runs_s) if timings else 1.0
+        )
         if "meta" in (dev.type, devices[0].type):
             speedup = None if i else 1.0
         diff = None if i == 0 else difference(reference, value)

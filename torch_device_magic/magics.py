@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from types import MethodType
+from typing import Any, cast
 
 import torch
 from IPython.core.error import UsageError
@@ -49,11 +50,11 @@ def user_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def parse(magic: Callable, line: str) -> Any:
+def parse(magic: MethodType, line: str) -> Any:
     """Parse a magic's line; a mistake names the magic and where to read its options."""
     # `%name?` finds no help for a magic that is only a cell magic: that one is `%%name`.
     name = magic.__name__
-    if name not in magic.__self__.magics["line"]:
+    if name not in cast(Magics, magic.__self__).magics["line"]:
         name = f"%{name}"
     try:
         args = parse_argstring(magic, line)

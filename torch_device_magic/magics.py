@@ -122,7 +122,8 @@ class TorchDeviceMagics(Magics):
     _shell: InteractiveShell | None = None
 
     def __init__(self, shell: InteractiveShell | None) -> None:
-        # State first: traits set in ipython_config.py fire observers during super().__init__.
+        # State first: traits set in ipython_config.py fire observers during super().__init__
+        # (a configured set_torch_default reaches the session that way).
         self.reporter = CellReporter()
         self.session = Session()
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
@@ -135,7 +136,7 @@ class TorchDeviceMagics(Magics):
         return self._shell
 
     @shell.setter
-    def shell(self, shell: InteractiveShell | None) -> None:
+    def shell(self, shell: InteractiveShell | None) -> None:  # Magics.__init__ sets it
         self._shell = shell
 
     @validate("report_min_seconds", "report_min_bytes")

@@ -183,6 +183,18 @@ def test_unload_rebinds_device_to_the_default_unless_the_user_rebound_it(ip):
     assert ip.user_ns["device"] == "mine"
 
 
+def test_the_magics_hold_one_session_and_say_when_they_have_no_shell(ip):
+    from torch_device_magic.magics import TorchDeviceMagics
+
+    magics = ip.magics_manager.registry["TorchDeviceMagics"]
+    ip.run_cell("%device meta")
+    assert magics.session.device == torch.device("meta") and magics.shell is ip
+    alone = TorchDeviceMagics(None)
+    alone.apply_report_settings()  # no shell to hook into: nothing to do
+    with pytest.raises(AssertionError, match="TorchDeviceMagics needs a shell"):
+        alone.shell  # noqa: B018
+
+
 def test_last_expression_is_out_and_semicolon_silences_it(ip):
     ip.run_cell("%%nograd\nx = 20\nx + 22", store_history=True)
     assert ip.user_ns["_"] == 42

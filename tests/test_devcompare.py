@@ -10,6 +10,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
+from torch_device_magic import devcompare
 from torch_device_magic.devcompare import Comparison, DeviceTiming, difference
 from torch_device_magic.devices import torch_default_device
 
@@ -79,6 +80,30 @@ def test_an_input_with_autograd_history_is_copied_too(nsip):
     nsip.run_cell("y = w * 2")
     result = compare(nsip, "cpu meta -n 1 -o", "y.shape[0]")
     assert result.devices[1].max_abs_diff == 0.0
+
+
+def test_compare_needs_no_shell_only_a_namespace_and_a_run_function():
+    x = torch.arange(3.0)
+    ns = {"x": x, "seen": [], "n": 1}
+
+    def run():
+        ns["seen"].append(ns["x"].device.type)
+        ns["bound"] = ns["n"] = 2
+        return ns["x"] * 2
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    result = devcompare.compare(ns, run, ["x", "seen", "n", "absent"], [cpu, meta], 2, 1)
+    assert ns == {"x": x, "seen": ["cpu"] * 3 + ["meta"] * 3, "n": 1} and ns["x"] is x
+    assert [d.device for d in result.devices] == ["cpu", "meta"]
+    assert [len(d.runs_s) for d in result.devices] == [2, 2]
+
+
+def test_ipythons_own_names_are_never_copied(nsip):
+    nsip.run_cell("a.sum()", store_history=True)  # Out now holds a tensor
+    out = nsip.user_ns["Out"]
+    assert any(isinstance(v, torch.Tensor) for v in out.values())
+    compare(nsip, "cpu meta -n 1 --warmup 0", "seen.append(id(Out))")
+    assert nsip.user_ns["seen"] == [id(out), id(out)]
 
 
 def test_a_failure_says_on_which_device_and_restores_everything(nsip, capsys):
@@ -243,7 +268,6 @@ def test_the_cpu_runs_under_no_device_mode_even_with_a_session_device(nsip):
 def test_tensors_on_an_accelerator_are_copied_straight_to_the_target(monkeypatch):
     """Here the CPU plays the accelerator: its tensors must not be deep-copied where they
     are (a same-GPU copy) but copied once, to the target, keeping what they are."""
-    from torch_device_magic import devcompare
 
     monkeypatch.setattr(devcompare, "_DEEPCOPIED", ("meta",))
     deep_copied = []

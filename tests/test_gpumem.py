@@ -47,3 +47,22 @@ def test_without_caching_the_allocator_row_says_why_figures_are_n_a(ip, machine,
     assert report.device_delta_bytes is None and report.device_peak_bytes is None
     assert row(report, "allocated") == "n/a -> n/a (n/a)"
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1: torch keeps no counts" in row(report, "allocator")
+
+
+def test_measure_needs_no_shell_only_a_namespace_and_a_run_function():
+    import torch
+
+    from torch_device_magic.gpumem import measure
+
+    kept = torch.ones(4)
+    ns = {"kept": kept, "rebound": torch.ones(2)}
+
+    def run():
+        ns["made"] = torch.ones(1000)
+        ns["rebound"] = torch.ones(3)
+        return "value"
+
+    report, value = measure(ns, run, torch.device("cpu"))
+    assert value == "value" and report.device is None  # the CPU: host memory only
+    assert [(t.name, t.bytes) for t in report.tensors] == [("made", 4000), ("rebound", 12)]
+    assert ns["kept"] is kept

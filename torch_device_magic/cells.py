@@ -101,6 +101,12 @@ def _awaits(source: str) -> bool:
     return True
 
 
+def names_read(shell: Any, cell: str) -> set[str]:
+    """The namespace names `cell` reads, once IPython has made Python of its `!cmd` and
+    `%magic` lines (see `cell_names`)."""
+    return cell_names(shell.transform_cell(cell))
+
+
 def cell_names(source: str) -> set[str]:
     """The global names `source` reads: in its own lines (the roots of `a.b[c]` included)
     and in the functions, lambdas, classes and comprehensions it defines, but not

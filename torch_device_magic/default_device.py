@@ -76,7 +76,7 @@ class DefaultDevice:
                 torch._C._push_on_torch_function_stack(other)
         _clear_slot()
         utils_device = getattr(torch.utils, "_device", None)
-        if hasattr(utils_device, "CURRENT_DEVICE"):  # what torch.compile reads
+        if utils_device is not None and hasattr(utils_device, "CURRENT_DEVICE"):  # torch.compile's
             utils_device.CURRENT_DEVICE = getattr(mode, "old_device", None)
 
 
@@ -93,7 +93,7 @@ def _clear_slot() -> None:
     if isinstance(slot, threading.local):
         slot.device_context = None
     else:
-        torch._GLOBAL_DEVICE_CONTEXT = None
+        torch._GLOBAL_DEVICE_CONTEXT = None  # type: ignore[assignment]  # 2.1-2.2: no local
 
 
 def _in_forked_child() -> None:

@@ -1,6 +1,7 @@
 """`%%devcompare`: one cell on several devices, timed, and how far the results differ.
 
-    >>> result = compare(shell, "a @ b", [torch.device("cpu"), torch.device("cuda")])
+    >>> run, reads = cells.compiled(shell, "a @ b"), {"a", "b"}  # the cell, the names it reads
+    >>> result = compare(shell.user_ns, run, reads, [torch.device("cpu"), torch.device("cuda")])
     >>> [(d.device, d.median_s, d.speedup, d.max_abs_diff) for d in result.devices]
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
@@ -25,7 +26,7 @@ import math
 import statistics
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,6 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from . import cells
-from .cells import cell_names
 from .devices import Inventory, resolve, torch_default_device
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
@@ -118,25 +117,32 @@ def devices_to_compare(specs: Sequence[str], inventory: Inventory) -> list[torch
 
 
 def compare(
-    shell: Any, cell: str, devices: Sequence[torch.device], runs: int = 5, warmup: int = 1
+    namespace: dict[str, Any],
+    run: Callable[[], Any],
+    reads: Iterable[str],
+    devices: Sequence[torch.device],
+    runs: int = 5,
+    warmup: int = 1,
 ) -> Comparison:
-    """Run `cell` on each device in turn (copies of its inputs); the namespace ends as it began."""
+    """Call `run` (a cell compiled by `cells.compiled`) on each device in turn, with copies of
+    those of `reads` (the user's names it reads) that hold tensors; the namespace ends as it
+    began."""
     __tracebackhide__ = True
-    ns = shell.user_ns
-    run = cells.compiled(shell, cell)
-    source = shell.transform_cell(cell)  # `!cmd` and `%magic` lines become Python
-    names = _tensor_names(ns, cell_names(source), shell.user_ns_hidden)
-    timings, reference = [], None
+    names = _tensor_names(namespace, reads)
+    timings: list[DeviceTiming] = []
+    reference = None
     for i, dev in enumerate(devices):
         try:
             with _rng_kept(devices):  # each device starts from the notebook's random state
-                runs_s, value = _on_device(shell, run, dev, names, runs, warmup)
+                runs_s, value = _on_device(namespace, run, dev, names, runs, warmup)
         except BaseException:
             reference = None  # IPython keeps the traceback, and this frame with it
             raise
         if i == 0:
             reference = value
-        speedup = timings[0].median_s / statistics.median(runs_s) if timings else 1.0
+        speedup: float | None = (
+            timings[0].median_s / statistics.median(runs_s) if timings else 1.0
+        )
         if "meta" in (dev.type, devices[0].type):
             speedup = None if i else 1.0
         diff = None if i == 0 else difference(reference, value)
@@ -145,10 +151,10 @@ def compare(
     return Comparison(timings, warmup)
 
 
-def _tensor_names(ns: dict, read: set[str], hidden: Any) -> list[str]:
+def _tensor_names(ns: dict, read: Iterable[str]) -> list[str]:
     """Those of the names the cell reads that hold tensors, modules or optimizers, in
     containers or in any object's attributes (a TensorDataset, an LR scheduler)."""
-    return sorted(n for n in read if n in ns and n not in hidden and holds_tensors(ns[n]))
+    return sorted(n for n in read if n in ns and holds_tensors(ns[n]))
 
 
 @contextlib.contextmanager
@@ -184,10 +190,10 @@ def _default_device(dev: torch.device) -> Iterator[None]:
 
 
 def _on_device(
-    shell: Any, run: Any, dev: torch.device, names: list[str], runs: int, warmup: int
+    ns: dict[str, Any], run: Callable[[], Any], dev: torch.device, names: list[str], runs: int,
+    warmup: int,
 ) -> tuple[list[float], Any]:
     __tracebackhide__ = True
-    ns = shell.user_ns
     bindings = dict(ns)
     value = None
     try:

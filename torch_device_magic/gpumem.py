@@ -18,12 +18,12 @@ there before, never the objects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import cells
 from .measure import Measurement, Meter
 from .namespace import shape_of
 from .probes import active_accelerator, nvml_used_bytes
@@ -130,16 +130,17 @@ def new_tensors(
 
 
 def measure(
-    shell: Any, cell: str, device: torch.device | None = None
+    namespace: dict[str, Any], run: Callable[[], Any], device: torch.device | None = None
 ) -> tuple[GpumemReport, Any]:
-    """Run `cell` as the shell would, measured on `device` (default: the session's
-    accelerator); the report and the cell's value."""
+    """Call `run` (a cell compiled by `cells.compiled`) measured on `device` (default: the
+    session's accelerator); the report and its value. New tensors are looked for in
+    `namespace`."""
     __tracebackhide__ = True
-    before = tensor_ids(shell.user_ns)
+    before = tensor_ids(namespace)
     meter = Meter(sync=True)
     meter.start(device)
     try:
-        value = cells.run(shell, cell)
+        value = run()
         measured = meter.stop()
     finally:
         meter.close()
@@ -149,6 +150,6 @@ def measure(
         device_description=None if accel is None else accel.description(),
         allocator=None if accel is None else accel.allocator(),
         nvml_used_bytes=nvml_used_bytes(accel),
-        tensors=new_tensors(shell.user_ns, before),
+        tensors=new_tensors(namespace, before),
     )
     return report, value

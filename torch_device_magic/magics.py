@@ -8,27 +8,28 @@ returns what it got. A `DeviceMagicError` from below becomes IPython's own
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from types import MethodType
+from typing import Any, cast
 
 import torch
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
 from . import cells, devices, gpumem, hints, moving
-from .default_device import DefaultDevice
 from .devcompare import compare, devices_to_compare
-from .devices import EXAMPLES, device_table, resolve, take_inventory, torch_default_device
+from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
 from .gpufree import free_memory
 from .hooks import CellReporter
 from .namespace import scan
+from .session import Session
 from .units import parse_bytes
 
 
@@ -49,11 +50,11 @@ def user_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def parse(magic: Callable, line: str) -> Any:
+def parse(magic: MethodType, line: str) -> Any:
     """Parse a magic's line; a mistake names the magic and where to read its options."""
     # `%name?` finds no help for a magic that is only a cell magic: that one is `%%name`.
     name = magic.__name__
-    if name not in magic.__self__.magics["line"]:
+    if name not in cast(Magics, magic.__self__).magics["line"]:
         name = f"%{name}"
     try:
         args = parse_argstring(magic, line)
@@ -118,18 +119,25 @@ class TorchDeviceMagics(Magics):
         "device), print a short block starting 'Hint (torch_device_magic):'.",
     ).tag(config=True)
 
-    def __init__(self, shell: Any) -> None:
-        # State first: traits set in ipython_config.py fire observers during super().__init__.
+    _shell: InteractiveShell | None = None
+
+    def __init__(self, shell: InteractiveShell | None) -> None:
+        # State first: traits set in ipython_config.py fire observers during super().__init__
+        # (a configured set_torch_default reaches the session that way).
         self.reporter = CellReporter()
-        self.session_device: torch.device | None = None
-        self._bound: torch.device | None = None  # what `device` was bound to, by us
-        self._bind_only = False  # `%device DEV --no-default`: torch's default left alone
-        self._default = DefaultDevice()
-        self._cuda_current_before: int | None = None  # CUDA's current device before %device
+        self.session = Session()
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
-        self._default_at_load = torch_default_device()
-        self._grad_before_nograd: bool | None = None
         super().__init__(shell=shell)
+
+    @property
+    def shell(self) -> InteractiveShell:
+        """The shell the magics are loaded in: every magic needs one."""
+        assert self._shell is not None, "TorchDeviceMagics needs a shell"
+        return self._shell
+
+    @shell.setter
+    def shell(self, shell: InteractiveShell | None) -> None:  # Magics.__init__ sets it
+        self._shell = shell
 
     @validate("report_min_seconds", "report_min_bytes")
     def _not_negative(self, proposal: Any) -> Any:
@@ -151,7 +159,7 @@ class TorchDeviceMagics(Magics):
         reporter = self.reporter
         reporter.min_seconds, reporter.min_bytes = self.report_min_seconds, self.report_min_bytes
         reporter.sync = self.sync
-        if self.shell is None:
+        if self._shell is None:
             return
         if self.auto_report and not reporter.registered:
             reporter.register(self.shell)
@@ -162,45 +170,17 @@ class TorchDeviceMagics(Magics):
     def _hint(self, error: BaseException, source: str) -> str | None:
         failed, self._failed_under = self._failed_under, None
         cell_default = failed[1] if failed is not None and failed[0] == id(error) else None
-        return hints.hint(error, self.shell.user_ns, source, self.session_device, cell_default)
+        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
-        self._apply_default()
-
-    def _apply_default(self) -> None:
-        """Make the session device torch's default, or undo ours; another's is left alone."""
-        dev = self.session_device
-        if dev is None or not self.set_torch_default or self._bind_only:
-            self._default.release()
-        else:
-            # Torch's own default already is the CPU, and an installed default device
-            # costs on every torch call (see the README's %device section): none for it.
-            self._default.install(None if dev.type == "cpu" else dev)
-
-    def set_session_device(self, dev: torch.device | None, torch_default: bool = True) -> None:
-        """Bind `device` in the namespace and, unless `torch_default` is False (or
-        `set_torch_default` is), make it torch's default device."""
-        self.session_device = dev
-        self._bind_only = not torch_default
-        self._apply_default()
-        self._bound = torch.device("cpu") if dev is None else dev
-        self.shell.user_ns["device"] = self._bound
+        self.session.set_torch_default(change.new)
 
     def close(self) -> None:
-        """Undo what loading and the magics changed: hooks, default device, grad mode."""
+        """Undo what loading and the magics changed: the hooks, and the session's state."""
         self.reporter.unregister(self.shell)
         self.reporter.set_hint(self.shell, None)
-        self._default.release()  # ours only; forked children are left alone from now on
-        with contextlib.suppress(DeviceMagicError):  # unloading goes on regardless
-            self._follow_current(None)
-        if self.session_device is not None:
-            self.session_device = None
-            if self.shell.user_ns.get("device") is self._bound:  # not rebound by the user
-                self.shell.user_ns["device"] = self._default_at_load or torch.device("cpu")
-        if self._grad_before_nograd is not None:
-            torch.set_grad_enabled(self._grad_before_nograd)
-            self._grad_before_nograd = None
+        self.session.close(self.shell.user_ns)
 
     @magic_arguments()
     @argument(
@@ -254,7 +234,7 @@ class TorchDeviceMagics(Magics):
         if args.spec is None:
             if args.move:
                 raise DeviceMagicError("%device --move needs a device, e.g. %device cuda --move")
-            display(device_table(take_inventory(), self.session_device))
+            display(device_table(take_inventory(), self.session.device))
             return
         if args.spec == "reset":
             dev, why = None, "cpu (torch's default device restored)"
@@ -262,22 +242,10 @@ class TorchDeviceMagics(Magics):
             dev, why = self._resolve(args.spec)
         if args.move:  # first: a move that fails changes nothing, the current device neither
             moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
-        self._follow_current(dev)
-        self.set_session_device(dev, torch_default=not args.no_default)
+        self.session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
             display(moved.table())
-
-    def _follow_current(self, dev: torch.device | None) -> None:
-        """A chosen `cuda:N` also becomes CUDA's current device (so that work and figures
-        without an index go there); any other choice puts back the one it replaced."""
-        if dev is not None and dev.type == "cuda" and dev.index is not None:
-            before = devices.make_current(dev.index)
-            if self._cuda_current_before is None:
-                self._cuda_current_before = before
-        elif self._cuda_current_before is not None:
-            devices.make_current(self._cuda_current_before)
-            self._cuda_current_before = None
 
     def _resolve(self, spec: str) -> tuple[torch.device, str]:
         """The device `spec` names on this machine, and the line that says what it is."""
@@ -287,12 +255,12 @@ class TorchDeviceMagics(Magics):
         """The device `%%ondevice` runs on: the one named, else the session device."""
         if spec is not None:
             return self._resolve(spec)[0]
-        if self.session_device is None:
+        if self.session.device is None:
             raise DeviceMagicError(
                 "%%ondevice needs a device: name one (%%ondevice cuda) or set the session "
                 "device with %device"
             )
-        return self.session_device
+        return self.session.device
 
     def _all_names(self) -> list[str]:
         """The user's names: not IPython's own (In, Out, _i3, _) nor hidden ones."""
@@ -379,7 +347,7 @@ class TorchDeviceMagics(Magics):
         dev = self._cell_device(args.spec)
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
-                 else cells.cell_names(self.shell.transform_cell(cell)))
+                 else cells.names_read(self.shell, cell))
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
@@ -432,7 +400,10 @@ class TorchDeviceMagics(Magics):
                 raise DeviceMagicError(
                     "%nograd takes 'on' or 'off' (use %%nograd [--inference] as a cell magic)"
                 )
-            self._set_nograd(args.mode == "on")
+            on = args.mode == "on"
+            self.session.set_nograd(on)
+            print("autograd is off for the cells that follow (%nograd off turns it back on)"
+                  if on else "autograd is back on")
             return None
         if args.mode is not None:
             raise DeviceMagicError(f"%%nograd takes no argument but --inference, got {args.mode!r}")
@@ -540,7 +511,10 @@ class TorchDeviceMagics(Magics):
             raise DeviceMagicError("%%devcompare needs -n 1 or more and --warmup 0 or more")
         cuda = any(d.startswith("cuda") for d in args.devices)
         chosen = devices_to_compare(args.devices, take_inventory(probe_cuda_runtime=cuda))
-        result = compare(self.shell, cell, chosen, args.runs, args.warmup)
+        run = cells.compiled(self.shell, cell)
+        hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
+        reads = [n for n in cells.names_read(self.shell, cell) if n not in hidden]
+        result = compare(self.shell.user_ns, run, reads, chosen, args.runs, args.warmup)
         if args.output:
             return result
         display(result)
@@ -563,19 +537,6 @@ class TorchDeviceMagics(Magics):
         """
         parse(self.gpufree, line)
         print(free_memory())
-
-    def _set_nograd(self, on: bool) -> None:
-        if on:
-            if self._grad_before_nograd is None:
-                self._grad_before_nograd = torch.is_grad_enabled()
-            torch.set_grad_enabled(False)
-            print("autograd is off for the cells that follow (%nograd off turns it back on)")
-        else:
-            torch.set_grad_enabled(
-                True if self._grad_before_nograd is None else self._grad_before_nograd
-            )
-            self._grad_before_nograd = None
-            print("autograd is back on")
 
     @magic_arguments()
     @argument("mode", nargs="?", default="status", help="on, off, or status (the default)")
@@ -642,7 +603,7 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         args = parse(self.gpumem, line)
         device = None if args.device is None else self._resolve(args.device)[0]
-        report, value = gpumem.measure(self.shell, cell, device)
+        report, value = gpumem.measure(self.shell.user_ns, cells.compiled(self.shell, cell), device)
         self.reporter.adopt(report)
         if args.output:
             return report

@@ -325,9 +325,10 @@ def difference(a: object, b: object) -> float | None:
         parts = [difference(a[k], b[k]) for k in a]
     else:
         return None
-    if None in parts:
+    known = [part for part in parts if part is not None]
+    if len(known) < len(parts):
         return None
-    return math.nan if any(map(math.isnan, parts)) else max(parts, default=0.0)
+    return math.nan if any(map(math.isnan, known)) else max(known, default=0.0)
 
 
 def _diff_text(diff: float | None) -> str:

@@ -81,13 +81,13 @@ class History:
         `torch.cuda.max_memory_allocated()` would say had the report not reset it."""
         peaks: dict[str, tuple[int, int | None]] = {}
         for r in self._records:
-            if None in (r.device, r.device_peak_bytes, r.device_allocated_bytes,
-                        r.device_delta_bytes):
+            device, peak = r.device, r.device_peak_bytes
+            allocated, delta = r.device_allocated_bytes, r.device_delta_bytes
+            if device is None or peak is None or allocated is None or delta is None:
                 continue
-            start = r.device_allocated_bytes - r.device_delta_bytes
-            most = start + r.device_peak_bytes
-            if r.device not in peaks or most > peaks[r.device][0]:
-                peaks[r.device] = (most, r.cell)
+            most = allocated - delta + peak  # the cell's start, plus its peak above it
+            if device not in peaks or most > peaks[device][0]:
+                peaks[device] = (most, r.cell)
         return peaks
 
     def write_csv(self, path: str) -> int:

@@ -425,3 +425,12 @@ def test_a_bug_in_a_runtime_flag_is_not_taken_for_no_accelerator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", bug)
     with pytest.raises(TypeError):
         probes.active_accelerator()
+
+
+def test_free_memory_of_cuda_without_an_index_is_the_current_devices(monkeypatch):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: asked.append(d) or (1, 2))
+    assert probes.free_and_total(torch.device("cuda")) == (1, 2)
+    assert asked == [None]  # torch < 2.2 refuses a torch.device without an index

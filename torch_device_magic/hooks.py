@@ -29,7 +29,8 @@ thresholds; Ctrl-C there is one line, not IPython's "Error in callback" tracebac
 
 After a cell that raised, the hint (`hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
-fault while making it prints nothing. With the report off and hints on, only
+fault while making it prints nothing, and leaves a debug record on this module's
+logger (as does every fault caught here). With the report off and hints on, only
 `post_run_cell` stays registered.
 """
 

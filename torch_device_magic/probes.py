@@ -496,7 +496,9 @@ def free_and_total(device: torch.device) -> tuple[int, int] | None:
     backend = getattr(torch, device.type, None)
     if not hasattr(backend, "mem_get_info") or not _started(device.type):
         return None
-    return guarded(lambda: tuple(backend.mem_get_info(device)))
+    # No index: the current device, which torch < 2.2 reads only from None.
+    at = None if device.index is None else device
+    return guarded(lambda: tuple(backend.mem_get_info(at)))
 
 
 def free_bytes(device: torch.device) -> int | None:

@@ -30,11 +30,13 @@ import torch
 from . import probes
 from .errors import DeviceMagicError, first_sentence
 from .probes import NvmlDevice
-from .probes import torch_default_device as torch_default_device  # its old home
+from .probes import torch_default_device as torch_default_device  # re-exported, see below
 from .reports import Table
 from .units import fmt_bytes
 
 EXAMPLES = "auto, cpu, cuda, cuda:N, mps, xpu or meta"
+# `torch_default_device` lives in probes (it reads torch's state); magics, default_device,
+# devcompare and the tests still import it from here.
 
 
 @dataclass(frozen=True)
@@ -152,9 +154,9 @@ def make_current(index: int) -> int:
         before = torch.cuda.current_device()
         torch.cuda.set_device(index)
         return before
-    except Exception as err:  # whatever CUDA raised is the reason to give
-        message = f"cannot make cuda:{index} CUDA's current device: {first_sentence(err, True)}"
-        raise DeviceMagicError(message) from err
+    except Exception as err:  # whatever CUDA raised is the reason to give; kept as the cause
+        reason = first_sentence(err, named=True)
+        raise DeviceMagicError(f"cannot make cuda:{index} CUDA's current device: {reason}") from err
 
 
 def _unavailable(name: str, kind: str, inventory: Inventory) -> str:

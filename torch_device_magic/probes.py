@@ -493,7 +493,7 @@ def free_and_total(device: torch.device) -> tuple[int, int] | None:
             return total - torch.mps.driver_allocated_memory(), total
 
         return guarded(read)
-    backend = getattr(torch, device.type, None)
+    backend: Any = getattr(torch, device.type, None)
     if not hasattr(backend, "mem_get_info") or not _started(device.type):
         return None
     # No index: the current device, which torch < 2.2 reads only from None.
@@ -510,7 +510,7 @@ def free_bytes(device: torch.device) -> int | None:
 def empty_cache(device: torch.device) -> None:
     """Hand the cached, unused blocks of `device`'s kind back to the device, where it has
     a caching allocator (torch's `empty_cache` does nothing before its runtime is up)."""
-    backend = getattr(torch, device.type, None)
+    backend: Any = getattr(torch, device.type, None)
     if hasattr(backend, "empty_cache"):
         guarded(backend.empty_cache)
 

@@ -736,16 +736,12 @@ def xpu_names() -> list[str | None]:
     """One entry per XPU device: its name once the XPU runtime is up, else None (naming
     would start it)."""
     xpu = getattr(torch, "xpu", None)
-
-    def read() -> list[str | None]:
-        if xpu is None or not xpu.is_available():
-            return []
-        count = xpu.device_count()
-        if not xpu.is_initialized():
-            return [None] * count
-        return [xpu.get_device_name(i) for i in range(count)]
-
-    return guarded(read) or []
+    if xpu is None or not guarded(xpu.is_available):
+        return []
+    count = guarded(xpu.device_count) or 0
+    if not xpu.is_initialized():
+        return [None] * count
+    return guarded(lambda: [xpu.get_device_name(i) for i in range(count)]) or []
 
 
 def cpu_name() -> str:

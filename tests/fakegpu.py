@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torch_device_magic import devices, probes
+from torch_device_magic import probes
 
 GIB = 2**30
 
@@ -302,7 +302,7 @@ class FakeMachine:
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None,
                             raising=False)
         monkeypatch.setitem(sys.modules, "pynvml", self.pynvml())
-        monkeypatch.setattr(devices, "_nvml_module", None, raising=False)
-        monkeypatch.setattr(devices, "_mps_available", lambda: False)
+        monkeypatch.setattr(probes, "_nvml_module", None)
+        monkeypatch.setattr(probes, "mps_available", lambda: False)
         monkeypatch.setattr(probes, "_MPS_BUILT", False)
         return self

@@ -10,7 +10,7 @@ from fakegpu import GIB, FakeMachine, Gpu, GpuIsLost, LibraryNotFound, NoPermiss
 
 from torch_device_magic import devices
 from torch_device_magic.devices import DeviceInfo, Inventory, cuda_order, pick_auto, resolve
-from torch_device_magic.errors import DeviceMagicError
+from torch_device_magic.errors import DeviceMagicError, first_sentence
 
 CPU = DeviceInfo("cpu", "Some CPU", 24 * GIB, 20 * GIB)
 
@@ -321,3 +321,69 @@ def test_device_table_marks_the_session_device():
     marked = [line for line in text.splitlines() if line.startswith("*")]
     assert len(marked) == 1 and "cuda:1" in marked[0] and "NVIDIA H200" in marked[0]
     assert "<table>" in table._repr_mimebundle_()["text/html"]
+
+
+# --- deciding from plain readings: probes asks, devices decides ------------------------
+
+
+def test_the_gpu_list_is_decided_from_plain_readings(monkeypatch):
+    from torch_device_magic import probes
+    from torch_device_magic.probes import NvmlDevice
+
+    listed = [
+        NvmlDevice("GPU-a", "NVIDIA A100", 80 * GIB, 70 * GIB, 5, (8, 0)),
+        NvmlDevice(None, problem="NVML cannot read it (NoPermission)"),
+        NvmlDevice("GPU-c", "NVIDIA A100", 80 * GIB, 10 * GIB, None, (7, 0)),
+    ]
+    monkeypatch.setattr(probes, "nvml_devices", lambda: (listed, ""))
+    monkeypatch.setattr(probes, "torch_cuda_uuids", lambda: ["c", "a"])  # CUDA's own order
+    monkeypatch.setattr(probes, "nvml_cuda_driver_version", lambda: 12080)
+    monkeypatch.setattr(probes, "cuda_arch_list", lambda: ["sm_80", "sm_90"])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    gpus, why = devices.nvml_gpus()
+    assert why == ""
+    assert [(g.device, g.free_bytes, g.problem) for g in gpus] == [
+        ("cuda:0", 10 * GIB, "compute capability 7.0 is not among this torch's (sm_80 sm_90)"),
+        ("cuda:1", 70 * GIB, None),
+    ]
+
+
+def test_a_driver_older_than_the_build_is_decided_from_two_versions():
+    assert devices._driver_problem(12040, "12.8") is None
+    assert devices._driver_problem(11080, "12.8") == (
+        "its driver supports CUDA up to 11.8, this torch needs CUDA 12.8"
+    )
+    assert devices._driver_problem(None, "12.8") is devices._driver_problem(12040, None) is None
+
+
+def test_a_device_string_that_is_not_one_keeps_torchs_error_as_its_cause():
+    with pytest.raises(DeviceMagicError) as err:
+        devices.parse("gpu:0")
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_a_failed_make_current_names_the_error_and_keeps_it_as_the_cause(monkeypatch):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+
+    def refuse(i):
+        raise RuntimeError("CUDA error: invalid device ordinal\nCUDA kernel errors might be ...")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    with pytest.raises(DeviceMagicError) as err:
+        devices.make_current(3)
+    assert str(err.value) == (
+        "cannot make cuda:3 CUDA's current device: RuntimeError: CUDA error: invalid device ordinal"
+    )
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(("error", "named", "said"), [
+    (RuntimeError("CUDA error: x. More\nadvice"), True, "RuntimeError: CUDA error: x. More"),
+    (RuntimeError("CUDA error: x. More\nadvice"), False, "CUDA error: x"),
+    (RuntimeError(""), True, "RuntimeError"),
+    (RuntimeError(""), False, "RuntimeError"),
+])
+def test_one_helper_tells_an_error_in_one_line(error, named, said):
+    assert first_sentence(error, named=named) == said

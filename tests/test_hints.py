@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import sys
 import weakref
 
@@ -293,3 +294,18 @@ def test_on_a_kernel_the_hint_follows_the_error_output():
     hint_at = next(i for i, (_, text) in enumerate(kinds) if text.startswith(PREFIX))
     assert error_at < hint_at
     assert "The cell uses: x (cpu), m (meta)" in kinds[hint_at][1]
+
+
+def test_a_bug_in_a_hint_leaves_a_debug_record_with_its_traceback(ip, capsys, caplog, monkeypatch):
+    import torch_device_magic.hints as hints
+
+    def broken(*args):
+        raise ValueError("bug in a hint")
+
+    monkeypatch.setattr(hints, "_mismatch", broken)  # a bug inside hints.py itself
+    with caplog.at_level(logging.DEBUG, logger="torch_device_magic"):
+        show(ip, "torch.ones(1) + torch.ones(1, device='meta')")
+    assert PREFIX not in capsys.readouterr().out
+    [record] = [r for r in caplog.records if r.exc_info and r.exc_info[0] is ValueError]
+    assert record.levelno == logging.DEBUG and record.name == "torch_device_magic.hooks"
+    assert "bug in a hint" in caplog.text  # the traceback is in the log

@@ -155,3 +155,106 @@ def test_a_lagging_high_water_mark_never_reads_below_the_delta(monkeypatch):
     """RSS and the high-water mark are separate counters: the peak is at least the delta."""
     delta, peak = proc_reading_with_maxrss(monkeypatch, 0, 4 * MiB)
     assert delta > 2 * MiB and peak == delta
+
+
+# --- asking the machine: probes decides nothing and imports nothing that decides -------
+
+
+def test_probes_imports_nothing_that_decides():
+    """devices.py decides from what probes.py reads; never the other way round."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(probes.__file__).read_text())
+    ours = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert ours == {"errors"}
+
+
+def test_free_and_total_of_the_cpu_is_the_oss_and_of_meta_nothing():
+    free, total = probes.free_and_total(torch.device("cpu"))
+    assert 0 < free <= total
+    assert probes.free_bytes(torch.device("cpu")) > 0
+    assert probes.free_and_total(torch.device("meta")) is None
+    probes.empty_cache(torch.device("meta"))  # nothing to empty: nothing happens
+
+
+def test_free_bytes_asks_cuda_only_once_it_runs(monkeypatch):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    asked = []
+
+    def mem_get_info(device=None):
+        asked.append(device)
+        return (3 * GIB, 80 * GIB)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    assert probes.free_bytes(torch.device("cuda:1")) is None and asked == []
+    machine.start_cuda(0)
+    assert probes.free_and_total(torch.device("cuda:1")) == (3 * GIB, 80 * GIB)
+    assert probes.free_bytes(torch.device("cuda:1")) == 3 * GIB
+    assert asked == [torch.device("cuda:1")] * 2
+
+
+def test_a_failing_free_memory_read_is_none_and_leaves_a_debug_record(monkeypatch, caplog):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+
+    def broken(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    with caplog.at_level("DEBUG", logger="torch_device_magic"):
+        assert probes.free_bytes(torch.device("cuda:0")) is None
+    [record] = caplog.records
+    assert record.name == "torch_device_magic.probes" and record.exc_info[0] is RuntimeError
+
+
+def test_empty_cache_empties_the_kinds_allocator(monkeypatch):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+    probes.empty_cache(torch.device("cuda:0"))
+    probes.empty_cache(torch.device("cpu"))
+    assert machine.calls.count(("empty_cache", None)) == 1
+
+
+def test_nvml_starts_once_for_the_device_list_and_the_measurements(monkeypatch):
+    from torch_device_magic import devices
+
+    machine = FakeMachine([Gpu(used=2 * GIB)]).install(monkeypatch)
+    assert len(devices.take_inventory().of_type("cuda")) == 1
+    machine.start_cuda(0)
+    assert probes.nvml_used_bytes(Accelerator("cuda", 0)) == 2 * GIB
+    assert machine.nvml_inits == 1
+
+
+def test_a_fault_in_a_private_backends_flag_reads_as_not_up_and_is_logged(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("driver gone")
+
+    monkeypatch.setattr(probes, "_private_backend", lambda: "tdmfake")
+    monkeypatch.setattr(torch, "tdmfake", types.SimpleNamespace(is_initialized=broken),
+                        raising=False)
+    with caplog.at_level("DEBUG", logger="torch_device_magic"):
+        assert probes.runtime_up("tdmfake") is False
+        assert probes.active_accelerator("tdmfake:0", kinds=("tdmfake",)) is None
+    assert "driver gone" in caplog.text
+
+
+def test_a_bug_in_a_runtime_flag_is_not_taken_for_no_accelerator(monkeypatch):
+    """runtime_up reads flags: only a device's own fault is caught, not any error."""
+    FakeMachine([Gpu()]).install(monkeypatch)
+
+    def bug():
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", bug)
+    with pytest.raises(TypeError):
+        probes.active_accelerator()
+
+
+def test_free_memory_of_cuda_without_an_index_is_the_current_devices(monkeypatch):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: asked.append(d) or (1, 2))
+    assert probes.free_and_total(torch.device("cuda")) == (1, 2)
+    assert asked == [None]  # torch < 2.2 refuses a torch.device without an index

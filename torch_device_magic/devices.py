@@ -1,4 +1,4 @@
-"""What devices the machine has, what the user's device string means, and "auto".
+"""Deciding about devices: what the machine has, what the user's string means, "auto".
 
     >>> inv = Inventory([DeviceInfo("cuda:0", "NVIDIA H200", 150e9, 149e9)])
     >>> resolve("cuda:3", inv)
@@ -14,27 +14,29 @@ trusted only under PCI_BUS_ID, for identical GPUs, or for a CUDA_VISIBLE_DEVICES
 of UUIDs; otherwise the GPUs are listed as `cuda:?` and `auto` takes `cuda`.
 A GPU this torch cannot run on (driver too old for its CUDA, a compute
 capability it was not built for) is listed with the reason, and `auto` skips
-it. `resolve` and `pick_auto` are pure: they take an `Inventory` and return a
-`torch.device`.
+it. Every reading comes from `probes.py`; this module only decides, from the
+plain values it is given: `resolve` and `pick_auto` take an `Inventory` and
+return a `torch.device`.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import re
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
-import psutil
 import torch
 
-from .errors import DeviceMagicError
+from . import probes
+from .errors import DeviceMagicError, first_sentence
+from .probes import NvmlDevice
+from .probes import torch_default_device as torch_default_device  # re-exported, see below
 from .reports import Table
 from .units import fmt_bytes
 
 EXAMPLES = "auto, cpu, cuda, cuda:N, mps, xpu or meta"
+# `torch_default_device` lives in probes (it reads torch's state); magics, default_device,
+# devcompare and the tests still import it from here.
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,10 @@ def parse(spec: str) -> torch.device:
     """Turn what the user typed into a `torch.device`, or say in one sentence why not."""
     try:
         dev = torch.device(spec)
-    except (RuntimeError, ValueError, TypeError):
+    except (RuntimeError, ValueError, TypeError) as err:
         raise DeviceMagicError(
             f"{spec!r} is not a device: use {EXAMPLES} (any torch.device string)"
-        ) from None
+        ) from err
     if dev.type in ("cpu", "meta") and dev.index not in (None, 0):
         raise DeviceMagicError(f"{spec!r} is not a device: {dev.type} takes no index")
     return canonical(dev)
@@ -127,7 +129,7 @@ def resolve(spec: str, inventory: Inventory) -> tuple[torch.device, str]:
         return pick_auto(inventory)
     dev = parse(spec)
     if dev.type in ("cpu", "meta") or (
-        dev.type not in ("cuda", "mps", "xpu") and _backend_available(dev.type)
+        dev.type not in ("cuda", "mps", "xpu") and probes.backend_available(dev.type)
     ):
         return dev, str(dev)
     found = inventory.of_type(dev.type)
@@ -152,9 +154,9 @@ def make_current(index: int) -> int:
         before = torch.cuda.current_device()
         torch.cuda.set_device(index)
         return before
-    except Exception as err:
-        message = f"cannot make cuda:{index} CUDA's current device: {first_line(err)}"
-        raise DeviceMagicError(message) from None
+    except Exception as err:  # whatever CUDA raised is the reason to give; kept as the cause
+        reason = first_sentence(err, named=True)
+        raise DeviceMagicError(f"cannot make cuda:{index} CUDA's current device: {reason}") from err
 
 
 def _unavailable(name: str, kind: str, inventory: Inventory) -> str:
@@ -167,163 +169,67 @@ def _unavailable(name: str, kind: str, inventory: Inventory) -> str:
     )
 
 
-def _backend_available(kind: str) -> bool:
-    module = getattr(torch, kind, None)
-    try:
-        return bool(module.is_available()) if module is not None else False
-    except Exception:
-        return False
-
-
 def take_inventory(probe_cuda_runtime: bool = False) -> Inventory:
     """Every device this process can use; `probe_cuda_runtime` allows torch's own
     CUDA count when NVML is missing (it starts the CUDA runtime, so only on request)."""
     inv = Inventory([])
     inv.devices += _cuda_devices(inv.notes, probe_cuda_runtime)
-    if _mps_available():
-        inv.devices.append(_mps_info())
+    if probes.mps_available():
+        free, total = probes.free_and_total(torch.device("mps")) or (None, None)
+        inv.devices.append(DeviceInfo("mps", "Apple GPU (MPS)", total, free))
     inv.devices += _xpu_devices()
-    vm = psutil.virtual_memory()
-    inv.devices.append(DeviceInfo("cpu", _cpu_name(), vm.total, vm.available))
+    free, total = probes.free_and_total(torch.device("cpu")) or (None, None)
+    inv.devices.append(DeviceInfo("cpu", probes.cpu_name(), total, free))
     return inv
 
 
 def _cuda_devices(notes: list[str], probe_cuda_runtime: bool) -> list[DeviceInfo]:
-    if torch.version.cuda is None and torch.version.hip is None:
+    if not probes.cuda_built():
         notes.append(f"cuda: torch {torch.__version__} is a build without CUDA")
         return []
     gpus, why = nvml_gpus()
     if gpus:
         return gpus
-    if torch.cuda.is_initialized():  # a context exists anyway: torch can name them
-        try:
-            count = torch.cuda.device_count()
-            return [DeviceInfo(f"cuda:{i}", torch.cuda.get_device_name(i)) for i in range(count)]
-        except Exception as err:
-            notes.append(f"cuda: {why}; CUDA itself failed ({first_line(err)})")
-            return []
+    names, failure = probes.cuda_names()  # once a context exists anyway: torch names them
+    if names is not None:
+        return [DeviceInfo(f"cuda:{i}", name) for i, name in enumerate(names)]
+    if failure is not None:
+        notes.append(f"cuda: {why}; CUDA itself failed ({failure})")
+        return []
     if probe_cuda_runtime:
-        # Counting starts no context (get_device_name would): list by count only.
-        failure = None
-        with warnings.catch_warnings(record=True) as caught:  # a broken driver warns
-            warnings.simplefilter("always")
-            try:
-                count = torch.cuda.device_count()
-            except Exception as err:
-                count, failure = 0, first_line(err)
+        count, failure = probes.cuda_count()  # starts no context (naming would): by count only
         if count:
             return [DeviceInfo(f"cuda:{i}", "CUDA GPU (named once CUDA starts)")
                     for i in range(count)]
-        failure = failure or next((str(w.message).strip() for w in caught), None)
         if failure:
             why += f"; CUDA says: {failure.splitlines()[0]}"
     notes.append(f"cuda: {why}")
     return []
 
 
-# NVML is initialised once per session (it is process-wide and torch shares it);
-# a failed start is not remembered, so a driver that appears later is found.
-_nvml_module: Any = None
-
-
-def nvml_status() -> tuple[Any, str]:
-    """The initialised pynvml module (from nvidia-ml-py), or None and why."""
-    global _nvml_module
-    if _nvml_module is None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as err:  # no library, no driver
-            return None, f"NVML is not available ({type(err).__name__})"
-        _nvml_module = pynvml
-    return _nvml_module, ""
-
-
-def nvml() -> Any:
-    """The initialised pynvml module, or None without a driver."""
-    return nvml_status()[0]
-
-
-def nvml_handle(module: Any, uuid: str) -> Any:
-    """NVML's handle for a device torch names by `uuid` (bare, as torch prints it, or
-    with NVML's `GPU-`/`MIG-` prefix: a MIG instance's UUID starts with `MIG-`)."""
-    spellings = [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
-    for spelling in spellings:
-        try:
-            return module.nvmlDeviceGetHandleByUUID(spelling)
-        except Exception:
-            continue
-    return None
-
-
-@dataclass
-class _Listed:
-    """One device CUDA could count, as NVML sees it: a GPU or a MIG instance."""
-
-    uuid: str | None  # None: NVML could not read it
-    handle: Any = None
-    problem: str | None = None
-
-
 def nvml_gpus() -> tuple[list[DeviceInfo], str]:
-    """The CUDA devices this process sees, read through NVML, and why none when so.
-
-    Each device is read in its own try: one that NVML refuses (no permission, a
-    GPU that fell off the bus) is listed with the reason, the others as usual.
-    """
-    module, why = nvml_status()
-    if module is None:
+    """The CUDA devices this process sees, as NVML reads them, and why none when so."""
+    listed, why = probes.nvml_devices()
+    if why:
         return [], why
-    try:
-        listed = _nvml_listing(module)
-    except Exception as err:
-        return [], f"NVML failed ({type(err).__name__}: {err})"
-    uuids = [d.uuid or "" for d in listed]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    torch_uuids = _torch_uuids()
-    order = cuda_order(uuids, visible, torch_uuids)
-    known = torch_uuids is not None or _order_known(module, listed, visible)
-    driver_problem = _driver_problem(module)
+    torch_uuids = probes.torch_cuda_uuids()
+    order = cuda_order([d.uuid or "" for d in listed], visible, torch_uuids)
+    known = torch_uuids is not None or _order_known(listed, visible)
+    driver_problem = _driver_problem(probes.nvml_cuda_driver_version(), torch.version.cuda)
+    arches = probes.cuda_arch_list()
     gpus = []
     for i, n in enumerate(order):
-        name = f"cuda:{i}" if known else UNKNOWN_ORDER
-        gpus.append(_nvml_info(module, name, listed[n], driver_problem))
+        d = listed[n]
+        problem = d.problem or driver_problem or _arch_problem(d.capability, arches)
+        gpus.append(DeviceInfo(
+            f"cuda:{i}" if known else UNKNOWN_ORDER, d.name or "unknown GPU",
+            d.total_bytes, d.free_bytes, d.utilization_pct, problem,
+        ))
     return gpus, "" if gpus else "NVML sees no GPU visible to this process"
 
 
-def _nvml_listing(module: Any) -> list[_Listed]:
-    """Every GPU in NVML (PCI) order, a GPU in MIG mode replaced by its MIG instances."""
-    found = []
-    for i in range(module.nvmlDeviceGetCount()):
-        try:
-            handle = module.nvmlDeviceGetHandleByIndex(i)
-            uuid = _text(module.nvmlDeviceGetUUID(handle))
-        except Exception as err:
-            found.append(_Listed(None, problem=f"NVML cannot read it ({_nvml_error(err)})"))
-            continue
-        found += _mig_instances(module, handle) or [_Listed(uuid, handle)]
-    return found
-
-
-def _mig_instances(module: Any, handle: Any) -> list[_Listed]:
-    try:
-        if module.nvmlDeviceGetMigMode(handle)[0] != 1:
-            return []
-        slots = module.nvmlDeviceGetMaxMigDeviceCount(handle)
-    except Exception:  # a board without MIG
-        return []
-    found = []
-    for j in range(slots):
-        try:
-            mig = module.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
-            found.append(_Listed(_text(module.nvmlDeviceGetUUID(mig)), mig))
-        except Exception:  # an empty slot
-            continue
-    return found
-
-
-def _order_known(module: Any, listed: list[_Listed], visible: str | None) -> bool:
+def _order_known(listed: list[NvmlDevice], visible: str | None) -> bool:
     """Whether NVML's PCI order is CUDA's too, before a context can tell: CUDA counts
     fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, which is the same order only
     for identical GPUs; a CUDA_VISIBLE_DEVICES of UUIDs fixes the order itself. A CUDA
@@ -336,25 +242,8 @@ def _order_known(module: Any, listed: list[_Listed], visible: str | None) -> boo
     if os.environ.get("CUDA_DEVICE_ORDER", "").strip() == "PCI_BUS_ID":
         return True
     # A GPU NVML cannot read is left out: it is listed as unusable anyway.
-    names = {_guarded_text(module.nvmlDeviceGetName, d.handle) for d in listed if d.handle}
+    names = {d.name for d in listed if d.uuid is not None}
     return len(names) <= 1 and None not in names
-
-
-def _guarded_text(fn: Any, *args: Any) -> str | None:
-    try:
-        return _text(fn(*args))
-    except Exception:
-        return None
-
-
-def _nvml_error(err: BaseException) -> str:
-    return type(err).__name__.removeprefix("NVMLError_") or str(err)
-
-
-def first_line(err: BaseException) -> str:
-    """`RuntimeError: CUDA error: an illegal memory access was encountered`: one line."""
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def cuda_order(
@@ -393,69 +282,31 @@ def _bare(uuid: str) -> str:
     return uuid.removeprefix("GPU-").removeprefix("MIG-")
 
 
-def _torch_uuids() -> list[str] | None:
-    if not torch.cuda.is_initialized():
+def _driver_problem(driver: int | None, built: str | None) -> str | None:
+    """Why a driver that runs CUDA up to `driver` (12040 is 12.4) cannot run this torch's
+    CUDA `built` (an older major version), or None."""
+    if driver is None or built is None:
         return None
     try:
-        count = torch.cuda.device_count()
-        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
-    except Exception:
+        needed = int(built.split(".")[0])
+    except ValueError:  # a version string torch never writes
         return None
-
-
-def _nvml_info(module: Any, device: str, listed: _Listed, driver_problem: str | None) -> DeviceInfo:
-    if listed.handle is None:
-        return DeviceInfo(device, "unknown GPU", problem=listed.problem)
-    handle = listed.handle
-    name = _guarded_text(module.nvmlDeviceGetName, handle) or "unknown GPU"
-    try:  # a MIG instance reads its own memory here, not its parent's
-        mem = module.nvmlDeviceGetMemoryInfo(handle)
-    except Exception as err:
-        return DeviceInfo(device, name, problem=f"NVML cannot read it ({_nvml_error(err)})")
-    try:
-        util = int(module.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except Exception:  # NotSupported on some boards, on MIG instances and in some containers
-        util = None
-    problem = driver_problem or _arch_problem(module, handle)
-    return DeviceInfo(device, name, mem.total, mem.free, util, problem)
-
-
-def _driver_problem(module: Any) -> str | None:
-    """Why the driver cannot run this torch's CUDA (an older major version), or None."""
-    if torch.version.cuda is None:
-        return None
-    try:
-        driver = int(module.nvmlSystemGetCudaDriverVersion())  # 12040 is CUDA 12.4
-        built = int(torch.version.cuda.split(".")[0])
-    except Exception:
-        return None
-    if driver // 1000 >= built:
+    if driver // 1000 >= needed:
         return None
     return (
         f"its driver supports CUDA up to {driver // 1000}.{driver % 1000 // 10}, "
-        f"this torch needs CUDA {torch.version.cuda}"
+        f"this torch needs CUDA {built}"
     )
 
 
-def _arch_problem(module: Any, handle: Any) -> str | None:
-    """Why this torch has no kernels for the GPU's compute capability, or None."""
-    try:
-        major, minor = module.nvmlDeviceGetCudaComputeCapability(handle)
-    except Exception:
+def _arch_problem(capability: tuple[int, int] | None, arches: list[str]) -> str | None:
+    """Why this torch has no kernels for a GPU's compute capability, or None."""
+    if capability is None or not arches or torch.version.hip is not None:
         return None
-    arches = _arch_list()
-    if not arches or torch.version.hip is not None or _runs_on((major, minor), arches):
+    if _runs_on(capability, arches):
         return None
+    major, minor = capability
     return f"compute capability {major}.{minor} is not among this torch's ({' '.join(arches)})"
-
-
-def _arch_list() -> list[str]:
-    """The CUDA architectures this torch was built for, read from the build (no context)."""
-    flags = getattr(torch._C, "_cuda_getArchFlags", None)
-    try:
-        return (flags() or "").split() if flags is not None else torch.cuda.get_arch_list()
-    except Exception:
-        return []
 
 
 def _runs_on(capability: tuple[int, int], arches: list[str]) -> bool:
@@ -471,48 +322,9 @@ def _runs_on(capability: tuple[int, int], arches: list[str]) -> bool:
     return False
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _mps_available() -> bool:
-    try:
-        return bool(torch.backends.mps.is_available())
-    except Exception:
-        return False
-
-
-def _mps_info() -> DeviceInfo:
-    try:
-        total = torch.mps.recommended_max_memory()
-        free = total - torch.mps.driver_allocated_memory()
-    except Exception:
-        total = free = None
-    return DeviceInfo("mps", "Apple GPU (MPS)", total, free)
-
-
 def _xpu_devices() -> list[DeviceInfo]:
-    xpu = getattr(torch, "xpu", None)
-    try:
-        if xpu is None or not xpu.is_available():
-            return []
-        count = xpu.device_count()
-        if not xpu.is_initialized():  # get_device_name would start the XPU runtime
-            return [DeviceInfo(f"xpu:{i}", "XPU (named once XPU starts)") for i in range(count)]
-        return [DeviceInfo(f"xpu:{i}", xpu.get_device_name(i)) for i in range(count)]
-    except Exception:
-        return []
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
+    return [DeviceInfo(f"xpu:{i}", name or "XPU (named once XPU starts)")
+            for i, name in enumerate(probes.xpu_names())]
 
 
 def device_table(inventory: Inventory, current: torch.device | None) -> Table:
@@ -541,9 +353,3 @@ def device_table(inventory: Inventory, current: torch.device | None) -> Table:
 def _names_of(dev: torch.device) -> set[str]:
     return {str(dev), f"{dev.type}:{dev.index or 0}"}
 
-
-def torch_default_device() -> torch.device | None:
-    """The device `torch.set_default_device` set, or None; read without touching CUDA
-    (`torch.get_default_device()` makes a tensor to find a CUDA index)."""
-    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
-    return getattr(context, "device", None)

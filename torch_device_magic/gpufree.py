@@ -20,6 +20,7 @@ from .probes import (
     Accelerator,
     Counters,
     active_accelerator,
+    empty_cache,
     guarded,
     runtime_up,
 )
@@ -67,10 +68,9 @@ def free_memory() -> FreeReport:
     before = {a.name: a.counters() for a in accelerators}
     collected = gc.collect()
     for kind in dict.fromkeys(a.kind for a in accelerators):
-        module = getattr(torch, kind)
-        guarded(module.empty_cache)
+        empty_cache(torch.device(kind))
         if kind == "cuda":
-            guarded(module.ipc_collect)
+            guarded(torch.cuda.ipc_collect)
     return FreeReport(collected, before, {a.name: a.counters() for a in accelerators})
 
 

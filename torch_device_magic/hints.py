@@ -25,8 +25,8 @@ import traceback
 
 import torch
 
-from .devices import torch_default_device
 from .namespace import TensorRow, scan
+from .probes import free_and_total, torch_default_device
 from .units import fmt_bytes
 
 PREFIX = "Hint (torch_device_magic):"
@@ -141,14 +141,9 @@ def release_frames(error: BaseException) -> None:
 
 def _free_and_total(message: str) -> tuple[int, int] | None:
     """Free and total bytes of the GPU that ran out, if its runtime is up (never started here)."""
-    if not torch.cuda.is_initialized():
-        return None
     match = re.search(r"GPU (\d+) has a total capacity", message)
-    try:
-        index = int(match.group(1)) if match else torch.cuda.current_device()
-        return torch.cuda.mem_get_info(index)
-    except Exception:  # a broken context: the hint goes on without the figures
-        return None
+    device = torch.device("cuda", int(match.group(1))) if match else torch.device("cuda")
+    return free_and_total(device)  # None for a broken context: the hint goes on without it
 
 
 def _on_accelerator(row: TensorRow) -> bool:

@@ -16,7 +16,8 @@ thresholds nothing is formatted. The line goes to the frontend as one MIME
 bundle (text and HTML) through the display publisher, without IPython's
 formatter machinery; where that publisher is IPython's own terminal one, which
 would print the text and nothing else, the text is printed directly, and on an
-ipykernel the message is queued behind the cell's output without waiting (`publish`).
+ipykernel the message is queued behind the cell's output without waiting
+(`kernel_publish.py`).
 In the terminal, what the cell writes to `sys.stdout` is watched (its `write`
 wrapped for the cell, as IPython 9 does to keep outputs) so that the line starts
 on a line of its own after `print("x", end="")`.
@@ -28,25 +29,27 @@ thresholds; Ctrl-C there is one line, not IPython's "Error in callback" tracebac
 
 After a cell that raised, the hint (`hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
-fault while making it prints nothing. With the report off and hints on, only
+fault while making it prints nothing, and leaves a debug record on this module's
+logger (as does every fault caught here). With the report off and hints on, only
 `post_run_cell` stays registered.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from IPython.core.displaypub import DisplayPublisher
 
 from .history import History
+from .kernel_publish import publish
 from .measure import Measurement, Meter
 from .units import fmt_bytes, fmt_seconds
 
 HISTORY_SIZE = 1000
+_log = logging.getLogger(__name__)
 
 
 class CellReporter:
@@ -155,6 +158,7 @@ class CellReporter:
                 self._watch_stdout()
             self._meter.start()
         except Exception as err:
+            _log.debug("starting the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
 
     def post_run_cell(self, result: Any) -> None:
@@ -176,6 +180,7 @@ class CellReporter:
             except KeyboardInterrupt:  # Ctrl-C while waiting for the device
                 self._fault = "torch_device_magic: interrupted at the end of the cell; not measured"
             except Exception as err:
+                _log.debug("stopping the measurement failed", exc_info=True)
                 self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
             self._show_hint(result)
@@ -185,15 +190,18 @@ class CellReporter:
             if measured is not None:
                 self._record(measured, result.execution_count)
         except Exception as err:
+            _log.debug("recording the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._fault is not None:
             self._publish({"text/plain": self._fault})
 
     def _show_hint(self, result: Any) -> None:
-        """Print the hint for the cell's error under its traceback; a fault here shows nothing."""
+        """Print the hint for the cell's error under its traceback; a fault here shows
+        nothing in the cell, and is logged at debug level."""
         try:
             text = self._hint(result.error_in_exec, getattr(result.info, "raw_cell", ""))
-        except Exception:
+        except Exception:  # a bug of ours, or a user's object that raises when looked at
+            _log.debug("the hint for %r failed", type(result.error_in_exec), exc_info=True)
             return
         if text:
             print(text)
@@ -230,11 +238,13 @@ class CellReporter:
             publish(self._shell.display_pub, record._repr_mimebundle_())
 
     def _publish(self, bundle: dict[str, str]) -> None:
-        with contextlib.suppress(Exception):  # nowhere to show it: the record is kept
+        try:
             if self._prints():
                 self._print(bundle["text/plain"])
             else:
                 publish(self._shell.display_pub, bundle)
+        except Exception:  # nowhere to show it: the record is kept
+            _log.debug("the report line could not be shown", exc_info=True)
 
     def _print(self, text: str) -> None:
         """One write (not print's two), on a line of its own."""
@@ -269,50 +279,6 @@ class CellReporter:
             stream.write = write
         else:
             del stream.write
-
-
-def publish(publisher: Any, bundle: dict[str, str]) -> None:
-    """Show `bundle` as one display_data, after everything the cell printed.
-
-    ipykernel's `ZMQDisplayPublisher.publish` first flushes stdout and stderr, and
-    each flush from the main thread queues the flush on the IOPub thread and then
-    waits for it: two cross-thread round trips per cell even with nothing buffered,
-    most of what the report costs on a kernel. The IOPub thread runs what it is
-    given in order, and a flush run there queues its stream message at once, so one
-    queued call that flushes both streams and then sends our message keeps the
-    order on the frontend without the cell waiting. This relies on ipykernel
-    internals (the same in 6.17 and 7.4): anything unexpected, and anything
-    `publish` would do more (transform hooks, display history), takes the plain path.
-    """
-    zmqshell = sys.modules.get("ipykernel.zmqshell")
-    try:
-        io_thread = publisher.pub_socket.io_thread
-        thread, streams = io_thread.thread, (sys.stdout, sys.stderr)
-        queue = (
-            zmqshell is not None
-            and type(publisher).publish is zmqshell.ZMQDisplayPublisher.publish
-            and not publisher._hooks
-            and not getattr(publisher, "store_display_history", False)
-            and thread.is_alive()
-            and thread is not threading.current_thread()
-            and all(getattr(s, "pub_thread", None) is io_thread for s in streams)
-        )
-    except Exception:
-        queue = False
-    if not queue:
-        publisher.publish(data=bundle, metadata={})
-        return
-    session, socket, topic = publisher.session, publisher.pub_socket, publisher.topic
-    content = {"data": bundle, "metadata": {}, "transient": {}}
-    msg = session.msg("display_data", content, parent=publisher.parent_header)
-
-    def flush_then_send() -> None:  # on the IOPub thread, where flush() does not wait
-        with contextlib.suppress(Exception):  # never break the thread's queue
-            for stream in streams:
-                stream.flush()
-            session.send(socket, msg, ident=topic)
-
-    io_thread.schedule(flush_then_send)
 
 
 def _describe(err: BaseException) -> str:

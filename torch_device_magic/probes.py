@@ -1,4 +1,9 @@
-"""Instruments: clocks, accelerator allocator counters, NVML, host RSS and its peak.
+"""Asking the machine: clocks, allocator counters, NVML, host memory, the devices there are.
+
+Everything torch_device_magic reads from the machine (or from torch's own state)
+is read here, and nothing here decides anything: `devices.py` turns these
+readings into the device list, `auto` and the table; `measure.py` turns them into
+a cell's figures.
 
 Design rules, which every function here keeps:
 
@@ -7,7 +12,10 @@ Design rules, which every function here keeps:
 - Nothing here starts an accelerator runtime. CUDA is read only once
   `torch.cuda.is_initialized()` says a context exists. On a CPU-only build
   (`torch.version.cuda is None`), torch.cuda is not called at all. NVML needs no
-  CUDA context.
+  CUDA context; it is initialised behind one gate (`nvml_status`), once per
+  session.
+- A failure caught broadly is logged at debug level with its traceback
+  (`errors.py` says how to see them).
 - On Linux the host peak is exact and costs a few cheap system calls per cell:
   `/proc/self/clear_refs` resets the kernel's high-water mark before the cell
   and the mark is read after it, from files kept open. Where `/proc` refuses,
@@ -16,14 +24,18 @@ Design rules, which every function here keeps:
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
 
+import psutil
 import torch
 
 try:
@@ -31,7 +43,9 @@ try:
 except ImportError:  # Windows: no /proc either, so the sampling thread measures
     resource = None
 
-from .devices import first_line, nvml, nvml_handle, torch_default_device
+from .errors import first_sentence
+
+_log = logging.getLogger(__name__)
 
 clock = time.perf_counter
 """The wall clock every measurement uses (monotonic, sub-microsecond)."""
@@ -44,6 +58,7 @@ def guarded(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception:
+        _log.debug("probe %r failed", fn, exc_info=True)
         return None
 
 
@@ -198,10 +213,6 @@ def rss_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        import psutil
-    except ImportError:
-        return None
     return guarded(lambda: psutil.Process().memory_info().rss)
 
 
@@ -229,10 +240,15 @@ class Counters:
     allocations: int | None  # allocation requests so far: tells whether work ran
 
 
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA (or ROCm, which torch calls cuda)."""
+    return torch.version.cuda is not None or torch.version.hip is not None
+
+
 def built_kinds() -> tuple[str, ...]:
     """The accelerator kinds this torch build has (read from the build: nothing starts)."""
     built = {
-        "cuda": torch.version.cuda is not None or torch.version.hip is not None,
+        "cuda": cuda_built(),
         "xpu": getattr(torch.version, "xpu", None) is not None,
         "mps": _MPS_BUILT,
     }
@@ -251,24 +267,20 @@ def _private_backend() -> str | None:
 
 def runtime_up(kind: str) -> bool:
     """Whether `kind`'s runtime already runs in this process; asking never starts it."""
-    try:
-        if kind == "cuda":
-            built = torch.version.cuda is not None or torch.version.hip is not None
-            return built and torch.cuda.is_initialized()
-        if kind == "xpu":
-            return getattr(torch.version, "xpu", None) is not None and torch.xpu.is_initialized()
-        if kind == "mps":
-            # MPS has no context to create; it counts as in use once it holds memory.
-            return (
-                _MPS_BUILT
-                and torch.backends.mps.is_available()
-                and torch.mps.driver_allocated_memory() > 0
-            )
-        if kind == _private_backend():  # its own module says, where it has one
-            return bool(getattr(getattr(torch, kind, None), "is_initialized", bool)())
-    except Exception:
-        pass
+    if kind == "cuda":
+        return cuda_built() and torch.cuda.is_initialized()
+    if kind == "xpu":
+        return getattr(torch.version, "xpu", None) is not None and torch.xpu.is_initialized()
+    if kind == "mps":
+        # MPS has no context to create; it counts as in use once it holds memory.
+        return _MPS_BUILT and guarded(_mps_holds_memory) is True
+    if kind == _private_backend():  # its own module says, where it has one
+        return bool(guarded(getattr(getattr(torch, kind, None), "is_initialized", bool)))
     return False
+
+
+def _mps_holds_memory() -> bool:
+    return torch.backends.mps.is_available() and torch.mps.driver_allocated_memory() > 0
 
 
 class Accelerator:
@@ -360,8 +372,9 @@ class Accelerator:
                 self._module.synchronize()
             else:
                 self._module.synchronize(self.index)
-        except Exception as err:
-            return first_line(err)
+        except Exception as err:  # whatever the device raised is the message to show
+            _log.debug("synchronising %s failed", self.name, exc_info=True)
+            return first_sentence(err, named=True)
         return None
 
     def record_event(self) -> Any:
@@ -406,23 +419,22 @@ def active_accelerator(
     current device of the first runtime that is up. `kinds` (default: `built_kinds()`)
     lets a caller that asks every cell read the build once. Never starts a runtime.
     """
-    try:
-        kinds = built_kinds() if kinds is None else kinds
-        if device is not None:
+    kinds = built_kinds() if kinds is None else kinds
+    if device is not None:
+        try:
             dev = torch.device(device)
-            if dev.type not in kinds or not runtime_up(dev.type):
-                return None
-            return _accelerator(dev.type, _index(dev))
-        for kind in kinds:
-            if runtime_up(kind):
-                break
-        else:
+        except (RuntimeError, TypeError, ValueError):  # not a device: nothing to measure
+            return None
+        if dev.type not in kinds or not runtime_up(dev.type):
+            return None
+    else:
+        kind = next((k for k in kinds if runtime_up(k)), None)
+        if kind is None:
             return None
         default = torch_default_device()
         dev = default if default is not None and default.type == kind else torch.device(kind)
-        return _accelerator(kind, _index(dev))
-    except Exception:
-        return None
+    index = guarded(_index, dev)  # a broken runtime cannot say its current device
+    return None if index is None else guarded(_accelerator, dev.type, index)
 
 
 def devices_in_use(main: Accelerator) -> list[Accelerator]:
@@ -459,7 +471,103 @@ def _index(dev: torch.device) -> int:
     return 0 if dev.type == "mps" else getattr(torch, dev.type).current_device()
 
 
-# --- NVML -----------------------------------------------------------------------
+def torch_default_device() -> torch.device | None:
+    """The device `torch.set_default_device` set, or None; read without touching CUDA
+    (`torch.get_default_device()` makes a tensor to find a CUDA index)."""
+    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    return getattr(context, "device", None)
+
+
+def free_and_total(device: torch.device) -> tuple[int, int] | None:
+    """Free and total bytes of `device` as torch (or, for the CPU, the OS) says, or None.
+
+    An accelerator whose runtime is not up is not asked (asking would start it);
+    `torch.device("cuda")` without an index is CUDA's current device.
+    """
+    if device.type == "cpu":
+        vm = guarded(psutil.virtual_memory)
+        return None if vm is None else (vm.available, vm.total)
+    if device.type == "mps":
+        def read() -> tuple[int, int]:
+            total = torch.mps.recommended_max_memory()
+            return total - torch.mps.driver_allocated_memory(), total
+
+        return guarded(read)
+    backend: Any = getattr(torch, device.type, None)
+    if not hasattr(backend, "mem_get_info") or not _started(device.type):
+        return None
+    # No index: the current device, which torch < 2.2 reads only from None.
+    at = None if device.index is None else device
+    return guarded(lambda: tuple(backend.mem_get_info(at)))
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory on `device` where torch or the OS says, else None (see `free_and_total`)."""
+    found = free_and_total(device)
+    return None if found is None else found[0]
+
+
+def empty_cache(device: torch.device) -> None:
+    """Hand the cached, unused blocks of `device`'s kind back to the device, where it has
+    a caching allocator (torch's `empty_cache` does nothing before its runtime is up)."""
+    backend: Any = getattr(torch, device.type, None)
+    if hasattr(backend, "empty_cache"):
+        guarded(backend.empty_cache)
+
+
+def _started(kind: str) -> bool:
+    """Whether `kind`'s runtime is up, where it can say (MPS has no runtime to start)."""
+    if kind in ("cuda", "xpu"):
+        return runtime_up(kind)  # a CPU build's torch.cuda is not asked at all
+    up = getattr(getattr(torch, kind, None), "is_initialized", None)
+    return up is None or guarded(up) is True
+
+
+def backend_available(kind: str) -> bool:
+    """Whether torch has a device module for `kind` (an out-of-tree backend) that says it
+    can be used."""
+    available = getattr(getattr(torch, kind, None), "is_available", None)
+    return available is not None and bool(guarded(available))
+
+
+# --- NVML -------------------------------------------------------------------------
+
+# NVML is initialised once per session (it is process-wide and torch shares it);
+# a failed start is not remembered, so a driver that appears later is found.
+_nvml_module: Any = None
+
+
+def nvml_status() -> tuple[Any, str]:
+    """The initialised pynvml module (from nvidia-ml-py), or None and why: the one gate
+    every NVML reading goes through."""
+    global _nvml_module
+    if _nvml_module is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as err:  # no library, no driver: each NVML error is its own class
+            _log.debug("NVML did not start", exc_info=True)
+            return None, f"NVML is not available ({type(err).__name__})"
+        _nvml_module = pynvml
+    return _nvml_module, ""
+
+
+def nvml() -> Any:
+    """The initialised pynvml module, or None without a driver."""
+    return nvml_status()[0]
+
+
+def nvml_handle(module: Any, uuid: str) -> Any:
+    """NVML's handle for a device torch names by `uuid` (bare, as torch prints it, or
+    with NVML's `GPU-`/`MIG-` prefix: a MIG instance's UUID starts with `MIG-`)."""
+    spellings = [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
+    for spelling in spellings:
+        try:
+            return module.nvmlDeviceGetHandleByUUID(spelling)
+        except Exception:  # not under this spelling
+            _log.debug("NVML has no device %s", spelling, exc_info=True)
+    return None
 
 
 def nvml_used_bytes(accel: Accelerator | None) -> int | None:
@@ -473,3 +581,176 @@ def nvml_used_bytes(accel: Accelerator | None) -> int | None:
         return None
     handle = nvml_handle(module, uuid)
     return None if handle is None else guarded(lambda: module.nvmlDeviceGetMemoryInfo(handle).used)
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One device CUDA could count, as NVML reads it: a GPU, or a MIG instance of one.
+
+    A figure NVML would not give is None. `problem` says why the device could not be
+    read at all (its handle, or its memory), in NVML's words."""
+
+    uuid: str | None  # None: NVML could not read even this
+    name: str | None = None
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    utilization_pct: int | None = None
+    capability: tuple[int, int] | None = None
+    problem: str | None = None
+
+
+def nvml_devices() -> tuple[list[NvmlDevice], str]:
+    """Every device NVML lists, in its (PCI) order, a GPU in MIG mode replaced by its
+    MIG instances; and why there is no listing where there is none ("" otherwise).
+
+    Each device is read on its own: one that NVML refuses (no permission, a GPU that
+    fell off the bus) is listed with the reason, the others as usual.
+    """
+    module, why = nvml_status()
+    if module is None:
+        return [], why
+    try:
+        count = module.nvmlDeviceGetCount()
+    except Exception as err:
+        _log.debug("NVML cannot count the devices", exc_info=True)
+        return [], f"NVML failed ({type(err).__name__}: {err})"
+    found = []
+    for i in range(count):
+        try:
+            handle = module.nvmlDeviceGetHandleByIndex(i)
+            uuid = _text(module.nvmlDeviceGetUUID(handle))
+        except Exception as err:
+            _log.debug("NVML cannot read device %d", i, exc_info=True)
+            found.append(NvmlDevice(None, problem=f"NVML cannot read it ({_nvml_error(err)})"))
+            continue
+        found += [_nvml_read(module, *mig) for mig in _mig_instances(module, handle)] or [
+            _nvml_read(module, handle, uuid)
+        ]
+    return found, ""
+
+
+def _mig_instances(module: Any, handle: Any) -> list[tuple[Any, str]]:
+    """The handle and UUID of each MIG instance of a GPU in MIG mode; none otherwise."""
+    try:
+        if module.nvmlDeviceGetMigMode(handle)[0] != 1:
+            return []
+        slots = module.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except Exception:  # a board without MIG
+        _log.debug("no MIG mode to read", exc_info=True)
+        return []
+    found = []
+    for j in range(slots):
+        try:
+            mig = module.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+            found.append((mig, _text(module.nvmlDeviceGetUUID(mig))))
+        except Exception:  # an empty slot
+            _log.debug("MIG slot %d is empty", j, exc_info=True)
+    return found
+
+
+def _nvml_read(module: Any, handle: Any, uuid: str) -> NvmlDevice:
+    """What NVML says of one device; for a MIG instance, its own memory, not its parent's."""
+    name = guarded(lambda: _text(module.nvmlDeviceGetName(handle)))
+    try:
+        mem = module.nvmlDeviceGetMemoryInfo(handle)
+    except Exception as err:
+        _log.debug("NVML cannot read the memory of %s", uuid, exc_info=True)
+        return NvmlDevice(uuid, name, problem=f"NVML cannot read it ({_nvml_error(err)})")
+    # NotSupported on some boards, on MIG instances and in some containers:
+    util = guarded(lambda: int(module.nvmlDeviceGetUtilizationRates(handle).gpu))
+    capability = guarded(lambda: tuple(module.nvmlDeviceGetCudaComputeCapability(handle)))
+    return NvmlDevice(uuid, name, mem.total, mem.free, util, capability)
+
+
+def nvml_cuda_driver_version() -> int | None:
+    """The newest CUDA the driver runs, as NVML writes it (12040 is CUDA 12.4), or None."""
+    module = nvml()
+    return None if module is None else guarded(
+        lambda: int(module.nvmlSystemGetCudaDriverVersion())
+    )
+
+
+def _nvml_error(err: BaseException) -> str:
+    return type(err).__name__.removeprefix("NVMLError_") or str(err)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --- the devices there are, as torch and the OS see them ------------------------------
+
+
+def torch_cuda_uuids() -> list[str] | None:
+    """The UUIDs of CUDA's devices in CUDA's order, once CUDA runs (None before: asking
+    would start it, or where CUDA fails)."""
+    if not runtime_up("cuda"):
+        return None
+    return guarded(
+        lambda: [str(torch.cuda.get_device_properties(i).uuid)
+                 for i in range(torch.cuda.device_count())]
+    )
+
+
+def cuda_names() -> tuple[list[str] | None, str | None]:
+    """CUDA's name for each of its devices once CUDA runs, else None (naming would start
+    it); and the error where CUDA failed to say."""
+    if not runtime_up("cuda"):
+        return None, None
+    try:
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], None
+    except Exception as err:  # a broken driver or context: what it said is the reason
+        _log.debug("CUDA cannot name its devices", exc_info=True)
+        return None, first_sentence(err, named=True)
+
+
+def cuda_count() -> tuple[int, str | None]:
+    """How many devices CUDA counts, and what CUDA said where it counts none (a broken
+    driver raises, or warns). Counting starts the CUDA runtime but makes no context."""
+    failure = None
+    with warnings.catch_warnings(record=True) as caught:  # a broken driver warns
+        warnings.simplefilter("always")
+        try:
+            count = torch.cuda.device_count()
+        except Exception as err:
+            _log.debug("CUDA cannot count its devices", exc_info=True)
+            count, failure = 0, first_sentence(err, named=True)
+    if count:
+        return count, None
+    return 0, failure or next((str(w.message).strip() for w in caught), None)
+
+
+def cuda_arch_list() -> list[str]:
+    """The CUDA architectures this torch was built for, read from the build (no context)."""
+    flags = getattr(torch._C, "_cuda_getArchFlags", None)
+    arches = guarded(flags) if flags is not None else guarded(torch.cuda.get_arch_list)
+    return arches.split() if isinstance(arches, str) else list(arches or [])
+
+
+def mps_available() -> bool:
+    """Whether this Mac's GPU can be used through MPS."""
+    return bool(guarded(torch.backends.mps.is_available))
+
+
+def xpu_names() -> list[str | None]:
+    """One entry per XPU device: its name once the XPU runtime is up, else None (naming
+    would start it)."""
+    xpu = getattr(torch, "xpu", None)
+    if xpu is None or not guarded(xpu.is_available):
+        return []
+    count = guarded(xpu.device_count) or 0
+    if not xpu.is_initialized():
+        return [None] * count
+    return guarded(lambda: [xpu.get_device_name(i) for i in range(count)]) or []
+
+
+def cpu_name() -> str:
+    """The CPU's model name, or the best the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"

@@ -115,7 +115,7 @@ LINE = "time 1.0 µs | host +0 B (peak 0 B)"
 KERNEL_MODES = {
     **{mode: before for mode, (before, _) in MODES.items()},
     "message alone": [
-        "from torch_device_magic.hooks import publish\n"
+        "from torch_device_magic.kernel_publish import publish\n"
         f"_line = {{'text/plain': {LINE!r}, 'text/html': '<div>' + {LINE!r} + '</div>'}}\n"
         "get_ipython().events.register('post_run_cell', "
         "lambda r: publish(get_ipython().display_pub, _line))"

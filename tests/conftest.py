@@ -13,7 +13,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 import torch_device_magic
-import torch_device_magic.devices  # the fixture reads it before any test imports it
+import torch_device_magic.probes  # the fixture reads it before any test imports it
 
 _LIBC = None
 with contextlib.suppress(OSError):
@@ -82,7 +82,7 @@ def shell():
     ip = RaisingShell.instance(config=config)
     ip.run_line_magic("colors", "nocolor" if IPython.version_info[0] >= 9 else "NoColor")
     ip.run_cell("import torch")
-    grad, default = torch.is_grad_enabled(), torch_device_magic.devices.torch_default_device()
+    grad, default = torch.is_grad_enabled(), torch_device_magic.probes.torch_default_device()
     yield ip
     torch_device_magic.unload_ipython_extension(ip)
     RaisingShell.clear_instance()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic.devices import torch_default_device
+from torch_device_magic.probes import torch_default_device
 
 
 def state(ip):
@@ -307,7 +307,7 @@ def test_data_loader_workers_under_device_meta(ip):
     ip.run_cell(
         "import numpy as np\n"
         "from torch.utils.data import DataLoader, Dataset\n"
-        "from torch_device_magic.devices import torch_default_device\n"
+        "from torch_device_magic.probes import torch_default_device\n"
         "class Samples(Dataset):\n"
         "    def __len__(self):\n"
         "        return 4\n"

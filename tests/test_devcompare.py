@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 
 from torch_device_magic import devcompare
 from torch_device_magic.devcompare import Comparison, DeviceTiming, difference
-from torch_device_magic.devices import torch_default_device
+from torch_device_magic.probes import torch_default_device
 
 Pair = namedtuple("Pair", "x y")
 NAN, INF = math.nan, math.inf

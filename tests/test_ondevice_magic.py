@@ -7,7 +7,7 @@ import torch
 from faults import FailOnAllocation
 from IPython.core.error import UsageError
 
-from torch_device_magic.devices import torch_default_device
+from torch_device_magic.probes import torch_default_device
 
 META = torch.device("meta")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from torch_device_magic import devices
-from torch_device_magic.devices import torch_default_device
 from torch_device_magic.errors import DeviceMagicError
+from torch_device_magic.probes import torch_default_device
 from torch_device_magic.session import Session
 
 META, CPU = torch.device("meta"), torch.device("cpu")

@@ -55,9 +55,9 @@ def compiled(shell: Any, cell: str) -> Callable[[], Any]:
             raise DeviceMagicError(
                 f"`await` outside a function (line {err.lineno}) cannot run under a cell "
                 "magic: await it in a cell of its own"
-            ) from None
+            ) from err
         shell.showsyntaxerror()  # what a plain cell shows: only the error, at the cell's line
-        raise DeviceMagicError("the cell did not run: it has the syntax error above") from None
+        raise DeviceMagicError("the cell did not run: it has the syntax error above") from err
     silent = ends_with_semicolon(cell)
 
     def execute() -> Any:

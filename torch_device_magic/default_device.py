@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from .devices import torch_default_device
+from .probes import torch_default_device
 
 _NOT_OURS = object()
 _installed: weakref.ref[DefaultDevice] | None = None  # whose mode a forked child drops

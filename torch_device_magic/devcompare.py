@@ -34,11 +34,11 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .devices import Inventory, resolve, torch_default_device
+from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
 from .namespace import holds_tensors
-from .probes import active_accelerator, clock
+from .probes import active_accelerator, clock, torch_default_device
 from .reports import Table
 from .units import fmt_seconds
 

@@ -30,13 +30,10 @@ import torch
 from . import probes
 from .errors import DeviceMagicError, first_sentence
 from .probes import NvmlDevice
-from .probes import torch_default_device as torch_default_device  # re-exported, see below
 from .reports import Table
 from .units import fmt_bytes
 
 EXAMPLES = "auto, cpu, cuda, cuda:N, mps, xpu or meta"
-# `torch_default_device` lives in probes (it reads torch's state); magics, default_device,
-# devcompare and the tests still import it from here.
 
 
 @dataclass(frozen=True)

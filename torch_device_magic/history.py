@@ -104,18 +104,18 @@ class History:
                     values = (getattr(r, n) for n in names)
                     writer.writerow(["" if v is None else v for v in values])
         except OSError as err:
-            raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from None
+            raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from err
         return len(self._records)
 
     def plot(self) -> Any:
         """A matplotlib figure of time and memory per cell (matplotlib is optional)."""
         try:
             import matplotlib.pyplot as plt
-        except ImportError:
+        except ImportError as err:
             raise DeviceMagicError(
                 "--plot needs matplotlib, which is not installed: "
                 "pip install matplotlib (or torch-device-magic[plot])"
-            ) from None
+            ) from err
         if not self._records:
             raise DeviceMagicError("nothing to plot yet: no cell has been measured")
         cells = [r.cell if r.cell is not None else i for i, r in enumerate(self._records)]

@@ -59,9 +59,9 @@ def parse(magic: MethodType, line: str) -> Any:
     try:
         args = parse_argstring(magic, line)
     except UsageError as err:
-        raise UsageError(f"%{name}: {err} (see %{name}? for its options)") from None
+        raise UsageError(f"%{name}: {err} (see %{name}? for its options)") from err
     except ValueError as err:  # unbalanced quotes, from the line splitter
-        raise UsageError(f"%{name}: cannot read {line!r}: {err}") from None
+        raise UsageError(f"%{name}: cannot read {line!r}: {err}") from err
     for key, value in vars(args).items():
         if isinstance(value, str):
             setattr(args, key, unquote(value))
@@ -451,11 +451,11 @@ class TorchDeviceMagics(Magics):
         args = parse(self.tensors, line)
         try:
             device = None if args.device is None else devices.parse(args.device)
-        except DeviceMagicError:  # its message offers `auto`, which names no tensor's device
+        except DeviceMagicError as err:  # its message offers `auto`, which names no tensor's device
             raise DeviceMagicError(
                 f"{args.device!r} is not a device: --device filters by where tensors are, "
                 "e.g. cpu, cuda, cuda:1, mps, xpu or meta"
-            ) from None
+            ) from err
         report = scan(
             self.shell.user_ns, self.shell.user_ns_hidden, device, parse_bytes(args.min_bytes)
         )

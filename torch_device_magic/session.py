@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import devices
+from . import devices, probes
 from .default_device import DefaultDevice
 from .errors import DeviceMagicError
 
@@ -36,7 +36,7 @@ class Session:
         self._bound: torch.device | None = None  # what `device` was bound to, by us
         self._cuda_current_before: int | None = None  # CUDA's current device before ours
         self._grad_before_nograd: bool | None = None
-        self._default_at_load = devices.torch_default_device()
+        self._default_at_load = probes.torch_default_device()
 
     def set_device(
         self, dev: torch.device | None, namespace: MutableMapping[str, Any],

@@ -126,14 +126,15 @@ def release_frames(error: BaseException) -> None:
     """Drop what `error`'s traceback (and those it chains to) keep alive: the frames'
     locals and `sys.last_*`."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        for frame, _ in traceback.walk_tb(error.__traceback__):
+    chained: BaseException | None = error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        for frame, _ in traceback.walk_tb(chained.__traceback__):
             # Before Python 3.13 a frame keeps the dict of locals that a traceback
             # printer read; reading f_locals again syncs it with the cleared frame.
             frame.f_locals  # noqa: B018
-        error = error.__cause__ or error.__context__
+        chained = chained.__cause__ or chained.__context__
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)

@@ -156,6 +156,7 @@ class CellReporter:
         try:
             if self._prints():
                 self._watch_stdout()
+            assert self._meter is not None  # registered only with a meter
             self._meter.start()
         except Exception as err:
             _log.debug("starting the measurement failed", exc_info=True)
@@ -175,7 +176,7 @@ class CellReporter:
         if outermost:
             self._unwatch_stdout()
             try:
-                if self._fault is None:
+                if self._fault is None and self._meter is not None:
                     measured = self._meter.stop()
             except KeyboardInterrupt:  # Ctrl-C while waiting for the device
                 self._fault = "torch_device_magic: interrupted at the end of the cell; not measured"
@@ -183,7 +184,7 @@ class CellReporter:
                 _log.debug("stopping the measurement failed", exc_info=True)
                 self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
-            self._show_hint(result)
+            self._show_hint(self._hint, result)
         if not outermost or info is None or result.error_before_exec is not None:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
@@ -195,11 +196,11 @@ class CellReporter:
         if self._fault is not None:
             self._publish({"text/plain": self._fault})
 
-    def _show_hint(self, result: Any) -> None:
+    def _show_hint(self, hint: Callable[[BaseException, str], str | None], result: Any) -> None:
         """Print the hint for the cell's error under its traceback; a fault here shows
         nothing in the cell, and is logged at debug level."""
         try:
-            text = self._hint(result.error_in_exec, getattr(result.info, "raw_cell", ""))
+            text = hint(result.error_in_exec, getattr(result.info, "raw_cell", ""))
         except Exception:  # a bug of ours, or a user's object that raises when looked at
             _log.debug("the hint for %r failed", type(result.error_in_exec), exc_info=True)
             return
@@ -263,7 +264,7 @@ class CellReporter:
 
         had_own = "write" in getattr(stream, "__dict__", ())  # IPython 9 wraps it too
         try:
-            stream.write = watched
+            stream.write = watched  # type: ignore[method-assign]  # undone after the cell
         except (AttributeError, TypeError):  # a stream that cannot be wrapped: not watched
             return
         self._stdout_watch = (stream, write, watched, had_own)

@@ -41,7 +41,7 @@ import torch
 try:
     import resource
 except ImportError:  # Windows: no /proc either, so the sampling thread measures
-    resource = None
+    resource = None  # type: ignore[assignment]
 
 from .errors import first_sentence
 
@@ -336,7 +336,7 @@ class Accelerator:
         return True if has is None else guarded(has, self.index) is True
 
     def _memory_stats(self) -> dict:
-        generic = getattr(torch, "accelerator", None)
+        generic: Any = getattr(torch, "accelerator", None)
         if hasattr(generic, "memory_stats") and _current_kind(generic) == self.kind:
             return generic.memory_stats(self.index)  # torch 2.9+
         return self._module.memory_stats(self.index)
@@ -348,7 +348,7 @@ class Accelerator:
             return
         if not self.has_context():  # no peak to reset; cudaMallocAsync's reset would make one
             return
-        generic = getattr(torch, "accelerator", None)
+        generic: Any = getattr(torch, "accelerator", None)
         if hasattr(generic, "reset_peak_memory_stats") and _current_kind(generic) == self.kind:
             guarded(generic.reset_peak_memory_stats, self.index)
         else:

@@ -6,12 +6,14 @@
     20000
 
 `%tensors`, `%%gpumem` and the mover all count and group tensors with these, so
-that one tensor reads the same everywhere.
+that one tensor reads the same everywhere; and they walk containers with `children`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -50,3 +52,25 @@ def storage_key(t: Tensor) -> int:
 def is_lazy(t: Tensor) -> bool:
     """A lazy module's parameter that has no shape or data yet (`nn.LazyLinear`)."""
     return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+
+
+def is_container(cls: type) -> bool:
+    """Whether objects of type `cls` are containers that `children` reads (dict, list,
+    tuple, namedtuple, dataclass, and their subclasses: OrderedDict, defaultdict, ...)."""
+    return issubclass(cls, (dict, list, tuple)) or (
+        dataclasses.is_dataclass(cls) and isinstance(cls, type)
+    )
+
+
+def children(obj: object) -> tuple[Iterator[tuple[object, object]], bool]:
+    """A container's (key, value) pairs, read lazily but a dataclass's fields, and whether
+    the keys are attribute names; an object that is no container has none.
+
+    May raise what the container raises when read (a mapping whose `items()` raises)."""
+    if isinstance(obj, dict):
+        return iter(obj.items()), False
+    if isinstance(obj, (list, tuple)):
+        return enumerate(obj), False
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return iter([(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]), True
+    return iter(()), False

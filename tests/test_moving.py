@@ -491,6 +491,31 @@ def test_a_dict_of_tensors_keeps_identity_wherever_it_is_observable(target):
     assert all(t.device == target for t in d.values())
 
 
+def test_only_what_nothing_else_observes_is_rebound_the_rest_keeps_identity():
+    # A tensor only its dict holds may come back as a new object (nothing can tell); one
+    # with any other way to reach it keeps its identity.
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    named, weak, base = torch.zeros(2), torch.zeros(2), torch.zeros(4)
+    ref = weakref.ref(weak)
+    d = {"lone": torch.zeros(2), "named": named, "weak": weak, "tagged": torch.zeros(2),
+         "param": torch.nn.Parameter(torch.zeros(2)), "view": base[1:], "base": base,
+         "w": model.weight, "leaf": torch.zeros(2, requires_grad=True)}
+    d["tagged"].tag = "keep me"
+    ids = {k: id(t) for k, t in d.items()}  # only `d` holds lone, tagged, param, view, leaf
+    with torch.no_grad():
+        model.bias.mul_(1)
+    move({"d": d, "opt": opt}, ["d"], META)
+    assert id(d["lone"]) != ids["lone"] and d["lone"].device == META  # rebound: unobservable
+    assert d["named"] is named and d["weak"] is weak and ref() is weak
+    assert id(d["tagged"]) == ids["tagged"] and d["tagged"].tag == "keep me"
+    assert id(d["param"]) == ids["param"] and type(d["param"]) is torch.nn.Parameter
+    assert [id(d[k]) for k in ("view", "leaf")] == [ids["view"], ids["leaf"]]
+    assert d["base"] is base and d["leaf"].requires_grad
+    assert d["w"] is model.weight and opt.param_groups[0]["params"][0] is model.weight
+    assert all(t.device == META for t in d.values())
+
+
 def test_a_tensor_torch_will_not_swap_is_replaced_where_walked_and_reported(monkeypatch):
     t = torch.randn(2)
     refuse_swaps(monkeypatch, t)

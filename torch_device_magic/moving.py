@@ -89,6 +89,9 @@ _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a pro
 _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
 _NBYTES = operator.attrgetter("nbytes")
+_GRAD = operator.attrgetter("grad")
+_DICT = operator.attrgetter("__dict__")  # a third faster than `vars`
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _OOM = getattr(torch, "OutOfMemoryError", ())
 # Whether the walk enters an object of a type, learnt once a type (`_walkable`).
 _WALKABLE: dict[type, bool] = {t: False for t in (int, float, complex, bool, str, bytes)}
@@ -265,6 +268,7 @@ class _Plan:
             first = len(self.tensors)
             self.budget = WALK_LIMIT
             self._walk(ns, name)
+            self._autograd(first)
             if self.budget < 0:
                 self.skipped.append(
                     f"{name} past its first {WALK_LIMIT:,} objects other than tensors"
@@ -297,6 +301,32 @@ class _Plan:
             except Exception as exc:  # a mapping whose items() raises, a property that does
                 self._skip(at, f"its {type(obj).__name__}", exc)
 
+    def _autograd(self, first: int) -> None:
+        """Note which tensors planned since `first` require grad, and plan their grads (a
+        tensor that does not require grad may still have one), reading each in C while
+        none has any."""
+        start = first
+        while start < len(self.tensors):
+            end = len(self.tensors)
+            tensors = self.tensors[start:end]
+            leaves = range(start, end)
+            if any(map(_REQUIRES_GRAD, tensors)):
+                for i, t in enumerate(tensors, start):
+                    if t.requires_grad:
+                        (self.requiring_grad if t.is_leaf else self.with_history).append(i)
+                if self.with_history:  # a non-leaf's `.grad` warns: not read
+                    history = set(self.with_history)
+                    leaves = [i for i in leaves if i not in history]
+                    tensors = _pick(self.tensors, leaves)
+            if operator.countOf(map(_GRAD, tensors), None) == len(tensors):
+                break
+            for i, t in zip(leaves, tensors):
+                grad = t.grad
+                if grad is not None and id(t) not in self.grads:  # (grads can form a cycle)
+                    self.grads[id(t)] = (t, grad)
+                    self._entries(iter([("grad", grad)]), self.where(i), True, self.targets[i])
+            start = end
+
     def _skip(self, where: _Where | None, what: str, exc: Exception) -> None:
         self.skipped.append(
             f"{_label(where)}, where {what} raised {type(exc).__name__}: {first_sentence(exc)}"
@@ -324,9 +354,10 @@ class _Plan:
         up to the next value to walk: return it, with where it is and the target it inherits,
         or None when none is left (or the budget is spent)."""
         # The hot path of a move, one pass per tensor with no call of its own: each torch
-        # attribute read here costs about as much as the Python around it. A tensor found
-        # again is planned again, and `_group` drops it (its storage key gives it away):
-        # memoising ids here took 0.15 µs a tensor, a tenth of the move to meta.
+        # attribute read here costs about as much as the Python around it, so autograd's
+        # are read afterwards in C (`_autograd`). A tensor found again is planned again, and
+        # `_group` drops it (its storage key gives it away): memoising ids here took 0.15 µs
+        # a tensor, a tenth of the move to meta.
         tensors, targets, keys = self.tensors, self.targets, self.keys
         device, home = self.device, self.home
         walkable, budget = _WALKABLE, self.budget
@@ -356,17 +387,6 @@ class _Plan:
                 targets.append(target)
             tensors.append(t)
             keys.append(key)
-            if t.requires_grad:  # else it is a leaf
-                if not t.is_leaf:
-                    self.with_history.append(len(tensors) - 1)
-                    continue
-                self.requiring_grad.append(len(tensors) - 1)
-            grad = t.grad  # a tensor that does not require grad may still have one
-            if grad is not None and id(t) not in self.grads:  # (grads can form a cycle)
-                self.grads[id(t)] = (t, grad)
-                self.runs.append(_Run(start, len(tensors), where, is_attr, holder))
-                self._entries(iter([("grad", grad)]), _Where(where, key, is_attr), True, target)
-                start = len(tensors)
         if len(tensors) > start:
             self.runs.append(_Run(start, len(tensors), where, is_attr, holder))
         self.budget = budget
@@ -732,7 +752,7 @@ def _lone_facts(tensors: list[Tensor]) -> list[tuple[Iterator[object], object]]:
         (map(weakref.getweakrefcount, tensors), 0),
         (map(Tensor._use_count, tensors), 1),  # its C++ tensor: no view, graph or grad
         (map(type, tensors), Tensor),  # not a Parameter, nor a subclass
-        (map(len, map(vars, tensors)), 0),  # no attributes of its own
+        (map(len, map(_DICT, tensors)), 0),  # no attributes of its own
     ]
 
 
@@ -740,8 +760,10 @@ def _others(n: int, lone: list[tuple[dict | list, Sequence[int]]]) -> Sequence[i
     """The indices below `n` that are not in `lone`'s."""
     if not lone:
         return range(n)
+    if sum(len(at) for _, at in lone) == n:  # each index is in one run at most
+        return []
     taken = set(itertools.chain.from_iterable(at for _, at in lone))
-    return [] if len(taken) == n else [i for i in range(n) if i not in taken]
+    return [i for i in range(n) if i not in taken]
 
 
 def _pick(column: list, at: Sequence[int]) -> list:

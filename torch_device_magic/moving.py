@@ -49,7 +49,6 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import dataclasses
 import functools
 import gc
 import importlib.util
@@ -73,6 +72,7 @@ from .cells import cell_names  # re-exported: the move's callers find their name
 from .errors import DeviceMagicError, first_sentence
 from .reports import Table
 from .tensors import (
+    PLAIN_MAPPINGS,
     WALK_LIMIT,
     children,
     is_container,
@@ -96,7 +96,7 @@ _OOM = getattr(torch, "OutOfMemoryError", ())
 _WALKABLE: dict[type, bool] = {t: False for t in (int, float, complex, bool, str, bytes)}
 _WALKABLE[type(None)] = False
 # The holders whose entries a move may rebind: their `__setitem__` runs no code of the user's.
-_REBINDABLE = frozenset({dict, list, collections.OrderedDict, collections.defaultdict})
+_REBINDABLE = PLAIN_MAPPINGS | {list}
 # What `sys.getrefcount` reads, in a `map` over the plan's list, for a tensor with one holder.
 _HELD_ONCE = next(map(sys.getrefcount, [object()])) + 1
 _PLAIN_REFERENTS = len(gc.get_referents(torch.empty(0)))  # a tensor without attributes
@@ -928,20 +928,20 @@ def _rebound(
             obj.state[new] = obj.state.pop(p)
         for state in obj.state.values():
             sub(state)
-    elif isinstance(obj, (dict, list)):
-        for k, v in list(obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            if (new := sub(v)) is not v:
-                put(obj, k, new)
     elif isinstance(obj, tuple):
         items = [sub(v) for v in obj]
         if any(a is not b for a, b in zip(items, obj, strict=True)):
             memo[i] = type(obj)._make(items) if hasattr(obj, "_fields") else type(obj)(items)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name, None)
-            if (new := sub(v)) is not v:
-                log.append(functools.partial(object.__setattr__, obj, f.name, v))
-                object.__setattr__(obj, f.name, new)  # frozen dataclasses too
+    elif is_container(type(obj)):
+        entries, is_attr = children(obj)
+        for k, v in list(entries):
+            if (new := sub(v)) is v:
+                continue
+            if is_attr:  # a dataclass's field, frozen ones too
+                log.append(functools.partial(object.__setattr__, obj, k, v))
+                object.__setattr__(obj, k, new)
+            else:
+                put(obj, k, new)
     return memo[i]
 
 

@@ -4,6 +4,8 @@
     True
     >>> stored_bytes(torch.eye(1000).to_sparse())  # what is stored, not the dense size
     20000
+    >>> storage_bytes(a[2:]) == storage_bytes(a)  # what a view keeps alive: its base
+    True
 
 `%tensors`, `%%gpumem` and the mover all count and group tensors with these, so
 that one tensor reads the same everywhere; and they walk containers with `children`.
@@ -11,6 +13,7 @@ that one tensor reads the same everywhere; and they walk containers with `childr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Iterator
@@ -18,6 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+# The mappings whose methods run no code of the user's.
+PLAIN_MAPPINGS = frozenset({dict, collections.OrderedDict, collections.defaultdict})
 WALK_LIMIT = 100_000  # objects looked at per name: a list of ten million floats stays quick
 
 # `t.untyped_storage()._cdata` without building a storage object on the way
@@ -39,6 +44,15 @@ def stored_bytes(t: Tensor) -> int:
     with contextlib.suppress(RuntimeError):
         return t.nbytes if parts is None else sum(getattr(t, name)().nbytes for name in parts)
     return 0
+
+
+def storage_bytes(t: Tensor) -> int:
+    """Bytes of the storage `t` keeps alive (a view's whole base), once per `storage_key`;
+    a sparse tensor's are its `stored_bytes`."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return stored_bytes(t)
 
 
 def storage_key(t: Tensor) -> int:
@@ -68,6 +82,8 @@ def children(obj: object) -> tuple[Iterator[tuple[object, object]], bool]:
 
     May raise what the container raises when read (a mapping whose `items()` raises)."""
     if isinstance(obj, dict):
+        if type(obj) not in PLAIN_MAPPINGS:  # a subclass may make either view raise
+            obj.values()
         return iter(obj.items()), False
     if isinstance(obj, (list, tuple)):
         return enumerate(obj), False

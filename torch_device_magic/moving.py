@@ -90,6 +90,8 @@ _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
 _NBYTES = operator.attrgetter("nbytes")
 _GRAD = operator.attrgetter("grad")
+_IS_META = operator.attrgetter("is_meta")
+_DEVICE = operator.attrgetter("device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _OOM = getattr(torch, "OutOfMemoryError", ())
 # Whether the walk enters an object of a type, learnt once a type (`_walkable`).
@@ -338,9 +340,29 @@ class _Plan:
             return self._module(obj, where, inherited)
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(obj, where, inherited)
-        entries, is_attr = children(obj)
         holder = obj if type(obj) in _REBINDABLE else None
+        if holder is not None and self.home is None and self._all_tensors(holder, where):
+            return []
+        entries, is_attr = children(obj)
         return [_Frame(entries, where, is_attr, inherited, holder)]
+
+    def _all_tensors(self, holder: dict | list, where: _Where) -> bool:
+        """Plan at once, in C, the entries of a plain dict or list when all are plain tensors
+        still to move (the hot case: `{name: tensor}`); else plan nothing, and say so."""
+        values = holder.values() if isinstance(holder, dict) else holder
+        if not values or not all(map(operator.is_, map(type, values), itertools.repeat(Tensor))):
+            return False  # stops at the first that is not: a list of samples costs nothing
+        if self.device.type == "meta":
+            there = map(_IS_META, values)
+        else:
+            there = map(operator.eq, map(_DEVICE, values), itertools.repeat(self.device))
+        if any(there):
+            return False
+        start = len(self.tensors)
+        self.tensors += values
+        self.keys += holder.keys() if isinstance(holder, dict) else range(len(holder))
+        self.runs.append(_Run(start, len(self.tensors), where, False, holder))
+        return True
 
     def _entries(
         self,
@@ -724,9 +746,11 @@ def _lone(plan: _Plan) -> list[tuple[dict | list, Sequence[int]]]:
     n = len(tensors)
     lone: list[bool] | None = None  # None: all
     unlike = [plan.requiring_grad, plan.with_history, *plan.shared.values()]
-    if any(unlike) or not all(
-        operator.countOf(values, want) == n for values, want in _lone_facts(tensors)
-    ):
+    facts = _lone_facts(tensors)
+    every = not any(unlike) and all(operator.countOf(v, want) == n for v, want in facts[:-1])
+    # The last fact for all at once, in one list: each has its type at least, so n types
+    # and nothing else means that none has attributes.
+    if not every or len(gc.get_referents(*tensors)) != n * _PLAIN_REFERENTS:
         lone = [True] * n
         for values, want in _lone_facts(tensors):
             lone = list(map(operator.and_, lone, map(operator.eq, values, itertools.repeat(want))))

@@ -310,8 +310,8 @@ class _Plan:
         start = first
         while start < len(self.tensors):
             end = len(self.tensors)
-            tensors = self.tensors[start:end]
             leaves = range(start, end)
+            tensors = _pick(self.tensors, leaves)
             if any(map(_REQUIRES_GRAD, tensors)):
                 for i, t in enumerate(tensors, start):
                     if t.requires_grad:
@@ -792,8 +792,9 @@ def _others(n: int, lone: list[tuple[dict | list, Sequence[int]]]) -> Sequence[i
 
 
 def _pick(column: list, at: Sequence[int]) -> list:
+    """The entries of `column` at the indices `at` (all of it: the list itself, not a copy)."""
     if isinstance(at, range):
-        return column[at.start : at.stop]
+        return column if at.start == 0 and at.stop == len(column) else column[at.start : at.stop]
     return [column[i] for i in at]
 
 

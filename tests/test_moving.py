@@ -1058,3 +1058,19 @@ def test_sparse_tensors_move_with_their_layout_and_bytes(layout):
     assert ns["s"].device.type == "meta"
     assert ns["s"].layout == kind
     assert result.names == {"again": expected}  # counted once, under the first name
+
+
+def test_every_column_of_a_plan_is_dropped_with_a_tensor_found_again():
+    # The plan's per-tensor columns are declared once (`_COLUMNS`) and compressed together:
+    # one added without being declared would keep its entry for each tensor found again.
+    t, u = torch.zeros(2), torch.ones(1, requires_grad=True)
+    ns = {"a": [t, u, t, t], "b": [u]}
+    for plan in (moving._Plan.to(META), moving._Plan(None, {id(t): META, id(u): META}, {})):
+        plan.walk(ns, ["a", "b"])
+        columns = {k: v for k, v in vars(plan).items() if isinstance(v, list) and len(v) == 5}
+        assert columns == {}  # 5 found, 2 kept
+        lists = [getattr(plan, k) for k in moving._COLUMNS]
+        assert [len(c) for c in lists if isinstance(c, list)] == [2] * (2 + (plan.device is None))
+        assert plan.requiring_grad == [1] and plan.names == [("a", 0, 2), ("b", 2, 2)]
+        assert [plan.where(i) for i in (0, 1)] == [((None, "a", False), 0, False),
+                                                  ((None, "a", False), 1, False)]

@@ -27,7 +27,11 @@ Three phases, so that a failure changes nothing:
    or from meta, where torch refuses that, they keep the old one, and a
    backward pass through such a graph fails saying why. Where torch cannot
    swap (before 2.3) `.data` is set, or else the holders we walked are rebound
-   to a new tensor; the result lists each of these. Leaves stay leaves with
+   to a new tensor; the result lists each of these. A tensor that nothing can
+   observe but the one plain dict or list that holds it (no other reference,
+   no weak one, no view or graph, a plain tensor without attributes, not
+   restorable) is not swapped: its entry is rebound to the copy, which nobody
+   can tell apart and costs less (`_lone`). Leaves stay leaves with
    `requires_grad`, `.grad` is moved and reattached; a tensor with an autograd
    history arrives without it.
    The commit is all or nothing too: an error in it undoes what it did, and

@@ -704,7 +704,7 @@ def interrupted_move(ns: dict, restorable: bool, delay: float, when):
 
 @pytest.mark.parametrize(("when", "delay", "restorable"), [
     ("commit", 0.0, True), ("commit", 0.0, False), ("commit", 0.005, True),
-    ("commit", 0.005, False), ("start", 0.1, True), ("start", 0.4, False),
+    ("commit", 0.002, False), ("start", 0.1, True), ("start", 0.4, False),
 ])
 def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
     monkeypatch, restorable, when, delay

@@ -354,13 +354,17 @@ class _Plan:
         """Plan at once, in C, the entries of a plain dict or list when all are plain tensors
         still to move (the hot case: `{name: tensor}`); else plan nothing, and say so."""
         values = holder.values() if isinstance(holder, dict) else holder
-        if not values or not all(map(operator.is_, map(type, values), itertools.repeat(Tensor))):
-            return False  # stops at the first that is not: a list of samples costs nothing
         if self.device.type == "meta":
             there = map(_IS_META, values)
         else:
             there = map(operator.eq, map(_DEVICE, values), itertools.repeat(self.device))
-        if any(there):
+        # Each test stops at the first that fails: a list of samples, or of tensors already
+        # moved (every %%ondevice cell after the first), costs nothing.
+        if not values or type(next(iter(values))) is not Tensor:
+            return False
+        if next(there) or not all(map(operator.is_, map(type, values), itertools.repeat(Tensor))):
+            return False
+        if any(there):  # from the second on
             return False
         start = len(self.tensors)
         self.tensors += values

@@ -767,12 +767,13 @@ def _lone(plan: _Plan) -> list[tuple[dict | list, Sequence[int]]]:
             lone[i] = False
     found: list[tuple[dict | list, Sequence[int]]] = []
     for run in plan.runs:
-        if type(run.holder) in _REBINDABLE:
+        holder = run.holder
+        if isinstance(holder, (dict, list)) and type(holder) in _REBINDABLE:
             at: Sequence[int] = range(run.start, run.end)
             if lone is not None:
                 at = list(itertools.compress(at, lone[run.start : run.end]))
             if at:
-                found.append((run.holder, at))
+                found.append((holder, at))
     return found
 
 

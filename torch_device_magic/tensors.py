@@ -65,7 +65,7 @@ def storage_key(t: Tensor) -> int:
 
 def is_lazy(t: Tensor) -> bool:
     """A lazy module's parameter that has no shape or data yet (`nn.LazyLinear`)."""
-    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+    return torch.nn.parameter.is_lazy(t)
 
 
 def is_container(cls: type) -> bool:

@@ -1060,6 +1060,25 @@ def test_sparse_tensors_move_with_their_layout_and_bytes(layout):
     assert result.names == {"again": expected}  # counted once, under the first name
 
 
+def test_what_an_optimizer_holds_keeps_its_identity_though_nothing_else_holds_it():
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.LBFGS([w], history_size=3, max_iter=4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((w - 1) ** 4).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    dirs = opt.state[w]["old_dirs"]  # only its list holds each of these
+    ids = [id(t) for t in dirs]
+    assert ids
+    move({"opt": opt}, ["opt"], META)
+    assert opt.state[w]["old_dirs"] is dirs and [id(t) for t in dirs] == ids
+    assert all(t.device == META for t in dirs)
+
+
 def test_every_column_of_a_plan_is_dropped_with_a_tensor_found_again():
     # The plan's per-tensor columns are declared once (`_COLUMNS`) and compressed together:
     # one added without being declared would keep its entry for each tensor found again.

@@ -203,7 +203,9 @@ class _Run(NamedTuple):
     end: int
     where: _Where | None  # where the holder is (None: the namespace)
     is_attr: bool  # whether the tensors' keys are attribute names
-    holder: dict | list | None  # a plain dict or list whose entries may be rebound
+    # A plain dict or list whose entries may be rebound; the optimizer whose state it is
+    # (which keeps its tensors, however deep); else None.
+    holder: dict | list | torch.optim.Optimizer | None
 
 
 class _Frame(NamedTuple):
@@ -213,7 +215,7 @@ class _Frame(NamedTuple):
     where: _Where | None
     is_attr: bool
     inherited: torch.device | None  # restoring: the target its tensors inherit
-    holder: dict | list | None  # as in `_Run`
+    holder: dict | list | torch.optim.Optimizer | None  # as in `_Run`
 
 
 # The plan's columns: one entry per tensor, in the order found, dropped together (a list).
@@ -303,7 +305,7 @@ class _Plan:
                 continue
             self.seen.add(id(obj))
             try:
-                stack += reversed(self._expand(obj, at, target))
+                stack += reversed(self._expand(obj, at, target, frame.holder))
             except Exception as exc:  # a mapping whose items() raises, a property that does
                 self._skip(at, f"its {type(obj).__name__}", exc)
 
@@ -338,22 +340,27 @@ class _Plan:
             f"{_label(where)}, where {what} raised {type(exc).__name__}: {first_sentence(exc)}"
         )
 
-    def _expand(self, obj: object, where: _Where, inherited) -> list[_Frame]:
+    def _expand(self, obj: object, where: _Where, inherited, outer: object = None) -> list[_Frame]:
         """Plan the tensors of a module or optimizer; return the entries to walk (frames)."""
         if isinstance(obj, torch.nn.Module):
             return self._module(obj, where, inherited)
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(obj, where, inherited)
-        holder = obj if type(obj) in _REBINDABLE else None
-        if holder is not None and self.home is None and self._all_tensors(holder, where):
+        plain = obj if isinstance(obj, (dict, list)) and type(obj) in _REBINDABLE else None
+        holder: dict | list | torch.optim.Optimizer | None = plain
+        if isinstance(outer, torch.optim.Optimizer):  # its state (LBFGS's lists) stays its own
+            holder = outer
+        if plain is not None and self.home is None and self._all_tensors(plain, holder, where):
             return []
         entries, is_attr = children(obj)
         return [_Frame(entries, where, is_attr, inherited, holder)]
 
-    def _all_tensors(self, holder: dict | list, where: _Where) -> bool:
+    def _all_tensors(
+        self, obj: dict | list, holder: dict | list | torch.optim.Optimizer | None, where: _Where
+    ) -> bool:
         """Plan at once, in C, the entries of a plain dict or list when all are plain tensors
         still to move (the hot case: `{name: tensor}`); else plan nothing, and say so."""
-        values = holder.values() if isinstance(holder, dict) else holder
+        values = obj.values() if isinstance(obj, dict) else obj
         if self.device.type == "meta":
             there = map(_IS_META, values)
         else:
@@ -368,7 +375,7 @@ class _Plan:
             return False
         start = len(self.tensors)
         self.tensors += values
-        self.keys += holder.keys() if isinstance(holder, dict) else range(len(holder))
+        self.keys += obj.keys() if isinstance(obj, dict) else range(len(obj))
         self.runs.append(_Run(start, len(self.tensors), where, False, holder))
         return True
 
@@ -378,7 +385,7 @@ class _Plan:
         where: _Where | None,
         is_attr: bool,
         inherited,
-        holder: dict | list | None = None,
+        holder: dict | list | torch.optim.Optimizer | None = None,
     ) -> tuple[object, _Where, torch.device | None] | None:
         """Plan the tensors among `entries`, the (key, value) pairs of what was found at `where`,
         up to the next value to walk: return it, with where it is and the target it inherits,
@@ -451,7 +458,7 @@ class _Plan:
                 ]
                 label = _Where(_Where(where, "state", True), f"<param {g}.{k}>", False)
                 # LBFGS keeps lists of them
-                frames.append(_Frame(iter(state), label, False, target, None))
+                frames.append(_Frame(iter(state), label, False, target, opt))
         return frames
 
     def _group(self) -> None:

@@ -266,9 +266,10 @@ def test_where_data_can_be_set_a_graph_made_before_sees_the_move():
     copy = w.detach().clone().requires_grad_()
     copy.grad = grad
     moving._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
-    plan = moving._Plan(CPU)
-    plan.tensors, plan.where, plan.grads = [w], [(None, "w", False)], {id(w): (w, grad)}
-    notes = moving._held_elsewhere(plan, [copy], [])
+    plan = moving._Plan.to(CPU)
+    plan.tensors, plan.keys, plan.grads = [w], ["w"], {id(w): (w, grad)}
+    plan.runs = [moving._Run(0, 1, None, False, None)]
+    notes = moving._held_elsewhere(plan, [copy], [0])
     assert notes == [
         "w: moved with .data because an autograd graph or a view holds it; "
         "views of its old storage and autograd graphs that saved it stay behind"
@@ -490,6 +491,31 @@ def test_a_dict_of_tensors_keeps_identity_wherever_it_is_observable(target):
     assert all(t.device == target for t in d.values())
 
 
+def test_only_what_nothing_else_observes_is_rebound_the_rest_keeps_identity():
+    # A tensor only its dict holds may come back as a new object (nothing can tell); one
+    # with any other way to reach it keeps its identity.
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    named, weak, base = torch.zeros(2), torch.zeros(2), torch.zeros(4)
+    ref = weakref.ref(weak)
+    d = {"lone": torch.zeros(2), "named": named, "weak": weak, "tagged": torch.zeros(2),
+         "param": torch.nn.Parameter(torch.zeros(2)), "view": base[1:], "base": base,
+         "w": model.weight, "leaf": torch.zeros(2, requires_grad=True)}
+    d["tagged"].tag = "keep me"
+    ids = {k: id(t) for k, t in d.items()}  # only `d` holds lone, tagged, param, view, leaf
+    with torch.no_grad():
+        model.bias.mul_(1)
+    move({"d": d, "opt": opt}, ["d"], META)
+    assert id(d["lone"]) != ids["lone"] and d["lone"].device == META  # rebound: unobservable
+    assert d["named"] is named and d["weak"] is weak and ref() is weak
+    assert id(d["tagged"]) == ids["tagged"] and d["tagged"].tag == "keep me"
+    assert id(d["param"]) == ids["param"] and type(d["param"]) is torch.nn.Parameter
+    assert [id(d[k]) for k in ("view", "leaf")] == [ids["view"], ids["leaf"]]
+    assert d["base"] is base and d["leaf"].requires_grad
+    assert d["w"] is model.weight and opt.param_groups[0]["params"][0] is model.weight
+    assert all(t.device == META for t in d.values())
+
+
 def test_a_tensor_torch_will_not_swap_is_replaced_where_walked_and_reported(monkeypatch):
     t = torch.randn(2)
     refuse_swaps(monkeypatch, t)
@@ -678,7 +704,7 @@ def interrupted_move(ns: dict, restorable: bool, delay: float, when):
 
 @pytest.mark.parametrize(("when", "delay", "restorable"), [
     ("commit", 0.0, True), ("commit", 0.0, False), ("commit", 0.005, True),
-    ("commit", 0.02, False), ("start", 0.1, True), ("start", 0.4, False),
+    ("commit", 0.002, False), ("start", 0.1, True), ("start", 0.4, False),
 ])
 def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
     monkeypatch, restorable, when, delay
@@ -1032,3 +1058,38 @@ def test_sparse_tensors_move_with_their_layout_and_bytes(layout):
     assert ns["s"].device.type == "meta"
     assert ns["s"].layout == kind
     assert result.names == {"again": expected}  # counted once, under the first name
+
+
+def test_what_an_optimizer_holds_keeps_its_identity_though_nothing_else_holds_it():
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.LBFGS([w], history_size=3, max_iter=4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((w - 1) ** 4).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    dirs = opt.state[w]["old_dirs"]  # only its list holds each of these
+    ids = [id(t) for t in dirs]
+    assert ids
+    move({"opt": opt}, ["opt"], META)
+    assert opt.state[w]["old_dirs"] is dirs and [id(t) for t in dirs] == ids
+    assert all(t.device == META for t in dirs)
+
+
+def test_every_column_of_a_plan_is_dropped_with_a_tensor_found_again():
+    # The plan's per-tensor columns are declared once (`_COLUMNS`) and compressed together:
+    # one added without being declared would keep its entry for each tensor found again.
+    t, u = torch.zeros(2), torch.ones(1, requires_grad=True)
+    ns = {"a": [t, u, t, t], "b": [u]}
+    for plan in (moving._Plan.to(META), moving._Plan(None, {id(t): META, id(u): META}, {})):
+        plan.walk(ns, ["a", "b"])
+        columns = {k: v for k, v in vars(plan).items() if isinstance(v, list) and len(v) == 5}
+        assert columns == {}  # 5 found, 2 kept
+        lists = [getattr(plan, k) for k in moving._COLUMNS]
+        assert [len(c) for c in lists if isinstance(c, list)] == [2] * (2 + (plan.device is None))
+        assert plan.requiring_grad == [1] and plan.names == [("a", 0, 2), ("b", 2, 2)]
+        assert [plan.where(i) for i in (0, 1)] == [((None, "a", False), 0, False),
+                                                  ((None, "a", False), 1, False)]

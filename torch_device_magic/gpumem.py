@@ -28,6 +28,7 @@ from .measure import Measurement, Meter
 from .namespace import shape_of
 from .probes import active_accelerator, nvml_used_bytes
 from .reports import Table
+from .tensors import storage_bytes
 from .units import fmt_bytes, fmt_seconds
 
 TENSORS_SHOWN = 5
@@ -122,7 +123,7 @@ def new_tensors(
     """The largest tensors bound to names that are new or rebound since `before`."""
     found = [
         TensorInfo(k, shape_of(v), str(v.dtype).removeprefix("torch."), str(v.device),
-                   v.element_size() * v.numel())
+                   storage_bytes(v))
         for k, v in namespace.items()
         if isinstance(v, torch.Tensor) and before.get(k) != id(v) and not k.startswith("_")
     ]

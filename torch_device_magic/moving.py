@@ -27,7 +27,11 @@ Three phases, so that a failure changes nothing:
    or from meta, where torch refuses that, they keep the old one, and a
    backward pass through such a graph fails saying why. Where torch cannot
    swap (before 2.3) `.data` is set, or else the holders we walked are rebound
-   to a new tensor; the result lists each of these. Leaves stay leaves with
+   to a new tensor; the result lists each of these. A tensor that nothing can
+   observe but the one plain dict or list that holds it (no other reference,
+   no weak one, no view or graph, a plain tensor without attributes, not
+   restorable) is not swapped: its entry is rebound to the copy, which nobody
+   can tell apart and costs less (`_lone`). Leaves stay leaves with
    `requires_grad`, `.grad` is moved and reattached; a tensor with an autograd
    history arrives without it.
    The commit is all or nothing too: an error in it undoes what it did, and
@@ -46,20 +50,24 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
-import dataclasses
 import functools
 import gc
 import importlib.util
 import itertools
+import math
 import operator
 import signal
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,7 +75,16 @@ from torch import Tensor
 from .cells import cell_names  # re-exported: the move's callers find their names there
 from .errors import DeviceMagicError, first_sentence
 from .reports import Table
-from .tensors import WALK_LIMIT, is_lazy, storage_id, storage_key, stored_bytes
+from .tensors import (
+    PLAIN_MAPPINGS,
+    WALK_LIMIT,
+    children,
+    is_container,
+    is_lazy,
+    storage_id,
+    storage_key,
+    stored_bytes,
+)
 from .units import fmt_bytes, fmt_seconds, plural
 
 __all__ = ["MoveResult", "cell_names", "move", "restore"]
@@ -76,17 +93,19 @@ _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a pro
 _ALIGN = 16  # the largest element size
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
 _NBYTES = operator.attrgetter("nbytes")
+_GRAD = operator.attrgetter("grad")
+_IS_META = operator.attrgetter("is_meta")
+_DEVICE = operator.attrgetter("device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _OOM = getattr(torch, "OutOfMemoryError", ())
 # Whether the walk enters an object of a type, learnt once a type (`_walkable`).
 _WALKABLE: dict[type, bool] = {t: False for t in (int, float, complex, bool, str, bytes)}
 _WALKABLE[type(None)] = False
-
-# Where a tensor was found, formatted only when a message needs it:
-# (parent, key, is_attribute), the parent None at a root name.
-_Where = tuple
-# What the walk has still to read of a container: (its (key, value) pairs, where it is,
-# whether the keys are attributes, the target its tensors inherit).
-_Frame = tuple
+# The holders whose entries a move may rebind: their `__setitem__` runs no code of the user's.
+_REBINDABLE = PLAIN_MAPPINGS | {list}
+# What `sys.getrefcount` reads, in a `map` over the plan's list, for a tensor with one holder.
+_HELD_ONCE = next(map(sys.getrefcount, [object()])) + 1
+_PLAIN_REFERENTS = len(gc.get_referents(torch.empty(0)))  # a tensor without attributes
 
 
 @dataclass
@@ -140,7 +159,7 @@ def move(
     """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`)."""
     device = _canonical(device)
     names = sorted(n for n in names if n in ns)
-    plan = _Plan(device)
+    plan = _Plan.to(device)
     plan.walk(ns, names)
     undo = None
     if restorable:
@@ -163,26 +182,69 @@ def restore(ns: dict, moved: MoveResult) -> MoveResult:
     start = time.perf_counter()
     if undo.originals is not None:
         return _put_back_originals(ns, moved, undo, start)
-    plan = _Plan(None, undo)
+    plan = _Plan.back(undo)
     plan.walk(ns, [n for n in undo.names if n in ns])
     return _execute(plan, ns, None, None)
 
 
-class _Plan:
-    """Phase 1: every tensor to move, found once, with its target and what shares its storage."""
+class _Where(NamedTuple):
+    """Where a tensor or container was found: at `key` of what is at `parent`, an
+    attribute if `is_attr`; `parent` None for a name of the namespace."""
 
-    def __init__(self, device: torch.device | None, undo: _Undo | None = None) -> None:
-        # Moving, every tensor goes to `device`; restoring, each goes home and what
-        # was added to a moved module goes with it (what else the cell made stays).
+    parent: _Where | None
+    key: object
+    is_attr: bool
+
+
+class _Run(NamedTuple):
+    """Tensors found one after the other in one holder: the plan's `start` to `end`."""
+
+    start: int
+    end: int
+    where: _Where | None  # where the holder is (None: the namespace)
+    is_attr: bool  # whether the tensors' keys are attribute names
+    # A plain dict or list whose entries may be rebound; the optimizer whose state it is
+    # (which keeps its tensors, however deep); else None.
+    holder: dict | list | torch.optim.Optimizer | None
+
+
+class _Frame(NamedTuple):
+    """What the walk has still to read of a holder."""
+
+    entries: Iterator[tuple[object, object]]  # (key, value) pairs
+    where: _Where | None
+    is_attr: bool
+    inherited: torch.device | None  # restoring: the target its tensors inherit
+    holder: dict | list | torch.optim.Optimizer | None  # as in `_Run`
+
+
+# The plan's columns: one entry per tensor, in the order found, dropped together (a list).
+_COLUMNS = ("tensors", "keys", "targets")
+# Lists of indices into the columns.
+_INDICES = ("requiring_grad", "with_history")
+
+
+class _Plan:
+    """Phase 1: every tensor to move, found once, with its target and what shares its storage.
+
+    Made by `_Plan.to(device)` for a move, or by `_Plan.back(undo)` for a restore, where each
+    tensor goes home and what was added to a moved module goes with it."""
+
+    def __init__(
+        self,
+        device: torch.device | None,
+        home: dict[int, torch.device] | None,
+        module_targets: dict[int, torch.device] | None,
+    ) -> None:
         self.device = device
-        self.home = undo.home if device is None else None
-        self.module_targets = undo.module_home if device is None else None
+        self.home = home
+        self.module_targets = module_targets
         self.seen: set[int] = set()  # containers, modules, optimizers walked already
-        # One entry per tensor, in the order found; the lists below hold indices into them.
         self.tensors: list[Tensor] = []
+        self.keys: list[object] = []  # where each tensor is in its run's holder
         # Each tensor's target: a list when restoring, else one device for all.
         self.targets: list[torch.device] | _Same = [] if device is None else _Same(device)
-        self.where: list[_Where] = []
+        self.runs: list[_Run] = []  # where the tensors were found, holder by holder
         self.nbytes: list[int] = []  # what each copy takes (a shared storage: all on its first)
         self.shared: dict[int, list[int]] = {}  # a storage's first tensor -> all that share it
         self.requiring_grad: list[int] = []  # leaves whose copies must require grad too
@@ -194,11 +256,27 @@ class _Plan:
         self.skipped: list[str] = []  # what the walk did not look into, and why
         self.budget = 0  # objects other than tensors the walk may still look at for this name
 
+    @classmethod
+    def to(cls, device: torch.device) -> _Plan:
+        """A plan that sends every tensor to `device`."""
+        return cls(device, None, None)
+
+    @classmethod
+    def back(cls, undo: _Undo) -> _Plan:
+        """A plan that sends every tensor where `undo` says it came from."""
+        return cls(None, undo.home, undo.module_home)
+
+    def where(self, i: int) -> _Where:
+        """Where the tensor at `i` was found (first)."""
+        run = self.runs[bisect.bisect_right(self.runs, (i, math.inf)) - 1]
+        return _Where(run.where, self.keys[i], run.is_attr)
+
     def walk(self, ns: dict, names: list[str]) -> None:
         for name in names:
             first = len(self.tensors)
             self.budget = WALK_LIMIT
-            self._walk(ns[name], name)
+            self._walk(ns, name)
+            self._autograd(first)
             if self.budget < 0:
                 self.skipped.append(
                     f"{name} past its first {WALK_LIMIT:,} objects other than tensors"
@@ -206,18 +284,18 @@ class _Plan:
             self.names.append((name, first, len(self.tensors)))
         self._group()
 
-    def _walk(self, root: object, name: str) -> None:
-        # Depth first, in order, one container's entries at a time: the stack holds an
-        # iterator a container (not every entry), so a list of a million samples costs
+    def _walk(self, ns: dict, name: str) -> None:
+        # Depth first, in order, one holder's entries at a time: the stack holds an
+        # iterator a holder (not every entry), so a list of a million samples costs
         # nothing until it is read, and the walk stops where its budget runs out.
-        stack: list[_Frame] = [(iter([(name, root)]), None, False, None)]
+        stack = [_Frame(iter([(name, ns[name])]), None, False, None, ns)]
         while stack and self.budget >= 0:
-            entries, where, is_attr, inherited = stack[-1]
+            frame = stack[-1]
             try:
-                found = self._entries(entries, where, is_attr, inherited)
+                found = self._entries(*frame)
             except Exception as exc:  # reading on raised: what was read is planned
                 stack.pop()
-                self._skip(where, "reading its entries", exc)
+                self._skip(frame.where, "reading its entries", exc)
                 continue
             if found is None:
                 stack.pop()
@@ -227,42 +305,102 @@ class _Plan:
                 continue
             self.seen.add(id(obj))
             try:
-                stack += reversed(self._expand(obj, at, target))
+                stack += reversed(self._expand(obj, at, target, frame.holder))
             except Exception as exc:  # a mapping whose items() raises, a property that does
                 self._skip(at, f"its {type(obj).__name__}", exc)
 
-    def _skip(self, where: _Where, what: str, exc: Exception) -> None:
+    def _autograd(self, first: int) -> None:
+        """Note which tensors planned since `first` require grad, and plan their grads (a
+        tensor that does not require grad may still have one), reading each in C while
+        none has any."""
+        start = first
+        while start < len(self.tensors):
+            end = len(self.tensors)
+            leaves = range(start, end)
+            tensors = _pick(self.tensors, leaves)
+            if any(map(_REQUIRES_GRAD, tensors)):
+                for i, t in enumerate(tensors, start):
+                    if t.requires_grad:
+                        (self.requiring_grad if t.is_leaf else self.with_history).append(i)
+                if self.with_history:  # a non-leaf's `.grad` warns: not read
+                    history = set(self.with_history)
+                    leaves = [i for i in leaves if i not in history]
+                    tensors = _pick(self.tensors, leaves)
+            if operator.countOf(map(_GRAD, tensors), None) == len(tensors):
+                break
+            for i, t in zip(leaves, tensors):
+                grad = t.grad
+                if grad is not None and id(t) not in self.grads:  # (grads can form a cycle)
+                    self.grads[id(t)] = (t, grad)
+                    self._entries(iter([("grad", grad)]), self.where(i), True, self.targets[i])
+            start = end
+
+    def _skip(self, where: _Where | None, what: str, exc: Exception) -> None:
         self.skipped.append(
             f"{_label(where)}, where {what} raised {type(exc).__name__}: {first_sentence(exc)}"
         )
 
-    def _expand(self, obj: object, where: _Where, inherited) -> list[_Frame]:
+    def _expand(self, obj: object, where: _Where, inherited, outer: object = None) -> list[_Frame]:
         """Plan the tensors of a module or optimizer; return the entries to walk (frames)."""
         if isinstance(obj, torch.nn.Module):
             return self._module(obj, where, inherited)
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(obj, where, inherited)
-        if isinstance(obj, dict):
-            return [(iter(obj.items()), where, False, inherited)]
-        if isinstance(obj, (list, tuple)):
-            return [(enumerate(obj), where, False, inherited)]
-        fields = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        return [(iter(fields), where, True, inherited)]
+        plain = obj if isinstance(obj, (dict, list)) and type(obj) in _REBINDABLE else None
+        holder: dict | list | torch.optim.Optimizer | None = plain
+        if isinstance(outer, torch.optim.Optimizer):  # its state (LBFGS's lists) stays its own
+            holder = outer
+        if plain is not None and self.home is None and self._all_tensors(plain, holder, where):
+            return []
+        entries, is_attr = children(obj)
+        return [_Frame(entries, where, is_attr, inherited, holder)]
+
+    def _all_tensors(
+        self, obj: dict | list, holder: dict | list | torch.optim.Optimizer | None, where: _Where
+    ) -> bool:
+        """Plan at once, in C, the entries of a plain dict or list when all are plain tensors
+        still to move (the hot case: `{name: tensor}`); else plan nothing, and say so."""
+        values = obj.values() if isinstance(obj, dict) else obj
+        if self.device.type == "meta":
+            there = map(_IS_META, values)
+        else:
+            there = map(operator.eq, map(_DEVICE, values), itertools.repeat(self.device))
+        # Each test stops at the first that fails: a list of samples, or of tensors already
+        # moved (every %%ondevice cell after the first), costs nothing.
+        if not values or type(next(iter(values))) is not Tensor:
+            return False
+        if next(there) or not all(map(operator.is_, map(type, values), itertools.repeat(Tensor))):
+            return False
+        if any(there):  # from the second on
+            return False
+        start = len(self.tensors)
+        self.tensors += values
+        self.keys += obj.keys() if isinstance(obj, dict) else range(len(obj))
+        self.runs.append(_Run(start, len(self.tensors), where, False, holder))
+        return True
 
     def _entries(
-        self, entries: Iterator[tuple], where: _Where | None, is_attr: bool, inherited
+        self,
+        entries: Iterator[tuple],
+        where: _Where | None,
+        is_attr: bool,
+        inherited,
+        holder: dict | list | torch.optim.Optimizer | None = None,
     ) -> tuple[object, _Where, torch.device | None] | None:
         """Plan the tensors among `entries`, the (key, value) pairs of what was found at `where`,
         up to the next value to walk: return it, with where it is and the target it inherits,
         or None when none is left (or the budget is spent)."""
         # The hot path of a move, one pass per tensor with no call of its own: each torch
-        # attribute read here costs about as much as the Python around it. A tensor found
-        # again is planned again, and `_group` drops it (its storage key gives it away):
-        # memoising ids here took 0.15 µs a tensor, a tenth of the move to meta.
-        tensors, targets, found_at = self.tensors, self.targets, self.where
+        # attribute read here costs about as much as the Python around it, so autograd's
+        # are read afterwards in C (`_autograd`). A tensor found again is planned again, and
+        # `_group` drops it (its storage key gives it away): memoising ids here took 0.15 µs
+        # a tensor, a tenth of the move to meta.
+        tensors, targets, keys = self.tensors, self.targets, self.keys
         device, home = self.device, self.home
         walkable, budget = _WALKABLE, self.budget
         to_meta = device is not None and device.type == "meta"
+        start = len(tensors)
+        found = None
         for key, t in entries:
             if not isinstance(t, Tensor):
                 budget -= 1  # a list of a million (array, label) pairs stops here
@@ -272,8 +410,8 @@ class _Plan:
                 if entered is None:
                     entered = _walkable(type(t))
                 if entered:
-                    self.budget = budget
-                    return t, (where, key, is_attr), inherited
+                    found = t, _Where(where, key, is_attr), inherited
+                    break
                 continue
             if home is None:
                 if t.is_meta if to_meta else t.device == device:  # is_meta: 30 ns less
@@ -284,26 +422,18 @@ class _Plan:
                 if target is None or t.device == target:
                     continue
                 targets.append(target)
-            label = (where, key, is_attr)
             tensors.append(t)
-            found_at.append(label)
-            if t.requires_grad:  # else it is a leaf
-                if not t.is_leaf:
-                    self.with_history.append(len(tensors) - 1)
-                    continue
-                self.requiring_grad.append(len(tensors) - 1)
-            grad = t.grad  # a tensor that does not require grad may still have one
-            if grad is not None and id(t) not in self.grads:  # (grads can form a cycle)
-                self.grads[id(t)] = (t, grad)
-                self._entries(iter([("grad", grad)]), label, True, target)
+            keys.append(key)
+        if len(tensors) > start:
+            self.runs.append(_Run(start, len(tensors), where, is_attr, holder))
         self.budget = budget
-        return None
+        return found
 
     def _module(self, module: torch.nn.Module, where: _Where, inherited) -> list[_Frame]:
         if self.module_targets is not None:
             inherited = self.module_targets.get(id(module), inherited)
         for prefix, sub in module.named_modules():
-            label = (where, prefix, True) if prefix else where
+            label = _Where(where, prefix, True) if prefix else where
             for kind in (sub._parameters, sub._buffers):
                 found = [(k, t) for k, t in kind.items() if t is not None and not is_lazy(t)]
                 if found:
@@ -318,7 +448,7 @@ class _Plan:
             step_stays = not (group.get("capturable") or group.get("fused"))
             params = group["params"]
             found = [(g, p) for p in params]
-            self._entries(iter(found), (where, "param_groups", True), False, inherited)
+            self._entries(iter(found), _Where(where, "param_groups", True), False, inherited)
             for k, p in enumerate(params):
                 target = self.device if self.home is None else self.home.get(id(p), inherited)
                 state = [
@@ -326,8 +456,9 @@ class _Plan:
                     for key, value in opt.state.get(p, {}).items()
                     if not (key == "step" and step_stays)
                 ]
-                label = ((where, "state", True), f"<param {g}.{k}>", False)
-                frames.append((iter(state), label, False, target))  # LBFGS keeps lists of them
+                label = _Where(_Where(where, "state", True), f"<param {g}.{k}>", False)
+                # LBFGS keeps lists of them
+                frames.append(_Frame(iter(state), label, False, target, opt))
         return frames
 
     def _group(self) -> None:
@@ -353,22 +484,27 @@ class _Plan:
             for i in members[1:]:
                 self.nbytes[i] = 0
 
-    def _drop_found_again(self, keys: list[int]) -> list[int]:
-        """Keep the first of each tensor found more than once; return the keys of those kept."""
+    def _drop_found_again(self, storages: list[int]) -> list[int]:
+        """Keep the first of each tensor found more than once, in every column; return the
+        storage keys of those kept."""
         first: dict[int, int] = {}
         keep = [first.setdefault(id(t), i) == i for i, t in enumerate(self.tensors)]
         if all(keep):
-            return keys
+            return storages
         index = list(itertools.accumulate(keep, initial=0))  # each old index's new one
-        self.tensors, self.where, keys = (
-            list(itertools.compress(column, keep)) for column in (self.tensors, self.where, keys)
-        )
-        if isinstance(self.targets, list):
-            self.targets = list(itertools.compress(self.targets, keep))
+        for name in _COLUMNS:
+            column = getattr(self, name)
+            if isinstance(column, list):
+                setattr(self, name, list(itertools.compress(column, keep)))
+        for name in _INDICES:
+            setattr(self, name, [index[i] for i in getattr(self, name) if keep[i]])
         self.names = [(name, index[a], index[b]) for name, a, b in self.names]
-        self.requiring_grad = [index[i] for i in self.requiring_grad if keep[i]]
-        self.with_history = [index[i] for i in self.with_history if keep[i]]
-        return keys
+        self.runs = [
+            run._replace(start=index[run.start], end=index[run.end])
+            for run in self.runs
+            if index[run.start] < index[run.end]
+        ]
+        return list(itertools.compress(storages, keep))
 
     def optimizer_snapshots(self) -> tuple[list, list[tuple[Tensor, Tensor]]]:
         """Each walked optimizer's state mapping, and a copy of its tensors that stay put."""
@@ -400,8 +536,8 @@ class _Same:
 
 def _walkable(cls: type) -> bool:
     """Whether the walk enters objects of type `cls` (learnt once a type: the walk's hot path)."""
-    entered = issubclass(cls, (dict, list, tuple, torch.nn.Module, torch.optim.Optimizer))
-    _WALKABLE[cls] = entered = entered or dataclasses.is_dataclass(cls)
+    entered = issubclass(cls, (torch.nn.Module, torch.optim.Optimizer)) or is_container(cls)
+    _WALKABLE[cls] = entered
     return entered
 
 
@@ -415,7 +551,7 @@ def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | N
         for t in plan.tensors:
             home[id(t)] = t.device
     history = [
-        f"{_label(plan.where[i])}: moved without its autograd history" for i in plan.with_history
+        f"{_label(plan.where(i))}: moved without its autograd history" for i in plan.with_history
     ]
     notes, rebound = _commit(ns, plan, news, undo)
     if home is not None:
@@ -523,7 +659,7 @@ def _span(group: list[Tensor]) -> tuple[int, int]:
 
 def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
     t = plan.tensors[members[0]]
-    what = _label(plan.where[members[0]])
+    what = _label(plan.where(members[0]))
     size = fmt_bytes(sum(stored_bytes(plan.tensors[j]) for j in members))
     if t.device.type == "meta":
         reason = "it is on the meta device, which holds no data"
@@ -546,7 +682,8 @@ def _commit(
     failure = None
     with _sigint_held() as interrupted:
         try:
-            notes, replaced, refused = _apply(ns, plan, news, undo_log)
+            # Once restorable, the move keeps the very objects: none is rebound.
+            notes, replaced, swapped = _apply(ns, plan, news, undo_log, rebind=undo is None)
         except Exception as exc:
             failure = (
                 f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
@@ -556,13 +693,10 @@ def _commit(
             for step in reversed(undo_log):
                 step()
         elif keep_originals:  # each swapped copy holds an original
-            skip = set(refused)
-            undo.originals += [
-                (t, k) for i, (t, k) in enumerate(zip(plan.tensors, news)) if i not in skip
-            ]
+            undo.originals += zip(_pick(plan.tensors, swapped), _pick(news, swapped))
             undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
         else:  # done: what follows needs no undoing
-            notes += _held_elsewhere(plan, news, refused)
+            notes += _held_elsewhere(plan, news, swapped)
         news.clear()  # frees the old data
     if failure is not None:
         raise DeviceMagicError(failure)  # outside the except block: no tensors ride on it
@@ -570,15 +704,26 @@ def _commit(
 
 
 def _apply(
-    ns: dict, plan: _Plan, news: list[Tensor], undo_log: list[Callable[[], object]]
-) -> tuple[list[str], dict[int, Tensor], list[int]]:
+    ns: dict,
+    plan: _Plan,
+    news: list[Tensor],
+    undo_log: list[Callable[[], object]],
+    rebind: bool,
+) -> tuple[list[str], dict[int, Tensor], Sequence[int]]:
     """The commit's changes, each logged in `undo_log` with what undoes it; returns the notes,
     the new tensors that replace those (by index) that could not be changed in place, and
-    the indices of those that were not swapped."""
+    the indices of those swapped. With `rebind`, what nothing else can observe is rebound."""
     tensors = plan.tensors
     undo_log.append(functools.partial(_reattach_grads, list(plan.grads.values()), {}))
-    refused = _swap_all(tensors, news)
-    undo_log.append(functools.partial(_swap_all, tensors, news, skip=set(refused)))
+    lone = _lone(plan) if rebind else []
+    at = _others(len(tensors), lone)
+    refused = _swap_all(tensors, news, at)
+    swapped = at if not refused else [i for i in at if i not in set(refused)]
+    undo_log.append(functools.partial(_swap_all, tensors, news, swapped))
+    for holder, run in lone:  # in C, one holder at a time
+        keys = _pick(plan.keys, run)
+        undo_log.append(functools.partial(_set_all, holder, keys, _pick(tensors, run)))
+        _set_all(holder, keys, _pick(news, run))
     skip = set(refused)
     for i in plan.requiring_grad:
         if i not in skip:
@@ -592,41 +737,107 @@ def _apply(
             undo_log.append(functools.partial(setattr, t, "data", t.data))
             t.data = new
             notes.append(
-                f"{_label(plan.where[i])}: moved with .data because {why}; "
+                f"{_label(plan.where(i))}: moved with .data because {why}; "
                 "views of its old storage and autograd graphs that saved it stay behind"
             )
         else:
             replaced[i] = _like(t, new)
             notes.append(
-                f"{_label(plan.where[i])}: replaced by a new tensor because {why}; "
+                f"{_label(plan.where(i))}: replaced by a new tensor because {why}; "
                 "references the cell does not name keep the old one"
             )
     by_id = {id(tensors[i]): new for i, new in replaced.items()}
     if replaced:
         _rebind(ns, [name for name, _, _ in plan.names], by_id, undo_log)
     _reattach_grads(plan.grads.values(), by_id)
-    return notes, replaced, refused
+    return notes, replaced, swapped
 
 
-def _held_elsewhere(plan: _Plan, olds: list[Tensor], refused: list[int]) -> list[str]:
-    """After a commit, the old C++ tensors (held by the swapped copies, `olds`, but at
-    `refused`) that something outside the move holds (an autograd graph, a view the move
-    does not include): where torch allows it (not to or from meta), their tensors get them
-    back with the new data (`.data`), so that those holders see the move too; else a
+def _lone(plan: _Plan) -> list[tuple[dict | list, Sequence[int]]]:
+    """The tensors that nothing can observe but one plain dict or list that holds them,
+    by holder: rebinding their entries to the copies is then the same as swapping, and
+    cheaper. Each fact is read over the whole plan in C."""
+    tensors = plan.tensors
+    n = len(tensors)
+    lone: list[bool] | None = None  # None: all
+    unlike = [plan.requiring_grad, plan.with_history, *plan.shared.values()]
+    facts = _lone_facts(tensors)
+    every = not any(unlike) and all(operator.countOf(v, want) == n for v, want in facts[:-1])
+    # The last fact for all at once, in one list: each has its type at least, so n types
+    # and nothing else means that none has attributes.
+    if not every or len(gc.get_referents(*tensors)) != n * _PLAIN_REFERENTS:
+        lone = [True] * n
+        for values, want in _lone_facts(tensors):
+            lone = list(map(operator.and_, lone, map(operator.eq, values, itertools.repeat(want))))
+        # Autograd hooks; views, whose old ones would keep the old storage until the end
+        for i in itertools.chain.from_iterable(unlike):
+            lone[i] = False
+    found: list[tuple[dict | list, Sequence[int]]] = []
+    for run in plan.runs:
+        holder = run.holder
+        if isinstance(holder, (dict, list)) and type(holder) in _REBINDABLE:
+            at: Sequence[int] = range(run.start, run.end)
+            if lone is not None:
+                at = list(itertools.compress(at, lone[run.start : run.end]))
+            if at:
+                found.append((holder, at))
+    return found
+
+
+def _lone_facts(tensors: list[Tensor]) -> list[tuple[Iterator[object], object]]:
+    """What makes each of `tensors` unobservable but through one holder, lazily, the
+    cheapest first: (each one's value, the value needed)."""
+    return [
+        (map(sys.getrefcount, tensors), _HELD_ONCE),  # no name, module, optimizer, list...
+        (map(weakref.getweakrefcount, tensors), 0),
+        (map(Tensor._use_count, tensors), 1),  # its C++ tensor: no view, graph or grad
+        (map(type, tensors), Tensor),  # not a Parameter, nor a subclass
+        # No attributes of its own: nothing but its type, read without making its `__dict__`
+        (map(len, map(gc.get_referents, tensors)), _PLAIN_REFERENTS),
+    ]
+
+
+def _others(n: int, lone: list[tuple[dict | list, Sequence[int]]]) -> Sequence[int]:
+    """The indices below `n` that are not in `lone`'s."""
+    if not lone:
+        return range(n)
+    if sum(len(at) for _, at in lone) == n:  # each index is in one run at most
+        return []
+    taken = set(itertools.chain.from_iterable(at for _, at in lone))
+    return [i for i in range(n) if i not in taken]
+
+
+def _pick(column: list, at: Sequence[int]) -> list:
+    """The entries of `column` at the indices `at` (all of it: the list itself, not a copy)."""
+    if isinstance(at, range):
+        return column if at.start == 0 and at.stop == len(column) else column[at.start : at.stop]
+    return [column[i] for i in at]
+
+
+def _set_all(holder: dict | list, keys: list, values: list) -> None:
+    if isinstance(holder, dict):
+        holder.update(zip(keys, values))  # each key is there: the order stays
+    else:
+        collections.deque(map(holder.__setitem__, keys, values), maxlen=0)  # the loop in C
+
+
+def _held_elsewhere(plan: _Plan, olds: list[Tensor], swapped: Sequence[int]) -> list[str]:
+    """After a commit, the old C++ tensors (held by the swapped copies, `olds`, at the
+    indices `swapped`) that something outside the move holds (an autograd graph, a view the
+    move does not include): where torch allows it (not to or from meta), their tensors get
+    them back with the new data (`.data`), so that those holders see the move too; else a
     backward pass through such a graph fails, saying why. Returns the notes."""
     # Each old one is held once by its copy; more means another holder, unless it is a
     # view's base or a grad that the move holds as well: those go once the others go.
-    for i in refused:
-        olds[i] = torch.empty(0)  # a copy in use, not an old tensor
-    counts = map(Tensor._use_count, olds)
-    held = [i for i, n in enumerate(counts) if n > 1]
+    counts = map(Tensor._use_count, _pick(olds, swapped))
+    held = [swapped[j] for j, n in enumerate(counts) if n > 1]
     if not held:
         return []
     keep = set(held)
     olds[:] = [old if i in keep else None for i, old in enumerate(olds)]
     notes = []
     for i in held:
-        t, old, what = plan.tensors[i], olds[i], _label(plan.where[i])
+        t, old, what = plan.tensors[i], olds[i], _label(plan.where(i))
         if old._use_count() == 1:
             continue
         if torch._has_compatible_shallow_copy_type(t, old):
@@ -646,30 +857,34 @@ def _held_elsewhere(plan: _Plan, olds: list[Tensor], refused: list[int]) -> list
     return notes
 
 
-def _swap_all(olds: list[Tensor], news: list[Tensor], skip: set[int] = frozenset()) -> list[int]:
-    """Swap the C++ tensors of each of `olds` and its copy (but those at `skip`): the copy
-    then holds the old one. Returns the indices torch refused. Swapping again undoes it."""
+def _swap_all(
+    olds: list[Tensor], news: list[Tensor], at: Sequence[int] | None = None
+) -> list[int]:
+    """Swap the C++ tensors of each of `olds` and its copy (those at the indices `at`, else
+    all): the copy then holds the old one. Returns the indices torch refused. Swapping
+    again undoes it."""
+    if at is None:
+        at = range(len(olds))
     if _swap_impl is None:  # torch < 2.3
-        return [i for i in range(len(olds)) if i not in skip]
+        return list(at)
+    olds, news = _pick(olds, at), _pick(news, at)
     # Unlike `torch.utils.swap_tensors`, with no check that nothing else holds the old C++
     # tensor: whatever does (a view, an autograd graph) keeps it, as it was.
     refused: list[int] = []
-    done: collections.deque = collections.deque(maxlen=1)  # the last index swapped
+    done: collections.deque = collections.deque(maxlen=1)  # the last position swapped
     start = 0
     while start < len(olds):
-        if start in skip:
-            start += 1
-            continue
-        end = min((i for i in skip if i > start), default=len(olds))
         done.clear()
+        rest = (itertools.islice(column, start, None) for column in (olds, news))
+        pairs = map(_swap_impl, *rest)
         try:  # the loop in C: about 40 ns a tensor less than in Python
-            done.extend(zip(range(start, end), map(_swap_impl, olds[start:end], news[start:end])))
+            done.extend(zip(itertools.count(start), pairs))
         except RuntimeError:  # a C++ weak reference to it
             failed = done[0][0] + 1 if done else start
-            refused.append(failed)
+            refused.append(at[failed])
             start = failed + 1
             continue
-        start = end
+        break
     return refused
 
 
@@ -754,20 +969,20 @@ def _rebound(
             obj.state[new] = obj.state.pop(p)
         for state in obj.state.values():
             sub(state)
-    elif isinstance(obj, (dict, list)):
-        for k, v in list(obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            if (new := sub(v)) is not v:
-                put(obj, k, new)
     elif isinstance(obj, tuple):
         items = [sub(v) for v in obj]
         if any(a is not b for a, b in zip(items, obj, strict=True)):
             memo[i] = type(obj)._make(items) if hasattr(obj, "_fields") else type(obj)(items)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name, None)
-            if (new := sub(v)) is not v:
-                log.append(functools.partial(object.__setattr__, obj, f.name, v))
-                object.__setattr__(obj, f.name, new)  # frozen dataclasses too
+    elif is_container(type(obj)):
+        entries, is_attr = children(obj)
+        for k, v in list(entries):
+            if (new := sub(v)) is v:
+                continue
+            if is_attr:  # a dataclass's field, frozen ones too
+                log.append(functools.partial(object.__setattr__, obj, k, v))
+                object.__setattr__(obj, k, new)
+            else:
+                put(obj, k, new)
     return memo[i]
 
 

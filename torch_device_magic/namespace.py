@@ -18,7 +18,6 @@ optimizer's parameters included, so names sharing storage add nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import types
 from collections.abc import Iterable
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from .errors import first_sentence
 from .reports import Table
-from .tensors import WALK_LIMIT, is_lazy, stored_bytes
+from .tensors import WALK_LIMIT, children, is_container, is_lazy, storage_bytes, storage_key
 from .units import fmt_bytes, plural
 
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hold no tensor
@@ -189,9 +188,9 @@ def holds_tensors(obj: object) -> bool:
 def _parts(obj: object) -> list[object]:
     """What an object holds: a container's items, an instance's attributes; a module,
     class or function holds nothing of the cell's."""
-    if isinstance(obj, dict):
-        return _first(obj.values())
-    if isinstance(obj, (list, tuple, set, frozenset)):
+    if is_container(type(obj)):
+        return _first(value for _, value in children(obj)[0])
+    if isinstance(obj, (set, frozenset)):
         return _first(obj)
     if isinstance(obj, _NOT_HOLDERS):
         return []
@@ -258,12 +257,8 @@ def _walk(root: object, name: str, f: _Found) -> None:
                 _module(obj, name, f)
             elif isinstance(obj, torch.optim.Optimizer):
                 _optimizer(obj, name, f)
-            elif isinstance(obj, dict):
-                stack.extend(_first(obj.values()))
-            elif isinstance(obj, (list, tuple)):
-                stack.extend(_first(obj))
-            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                stack.extend([getattr(obj, fl.name, None) for fl in dataclasses.fields(obj)])
+            elif is_container(type(obj)):
+                stack.extend(_first(value for _, value in children(obj)[0]))
         except Exception as err:
             f.warnings.append(
                 f"{name}: skipped a {type(obj).__name__} that could not be read "
@@ -325,12 +320,8 @@ def _materialised(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def _storage(t: Tensor) -> tuple[tuple[str, int], int]:
-    """((device, storage id), bytes): views of one storage share the key."""
-    try:
-        storage = t.untyped_storage()
-        return (str(t.device), storage._cdata), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
-        return (str(t.device), id(t)), stored_bytes(t)
+    """((device, storage key), bytes): views of one storage share the key."""
+    return (str(t.device), storage_key(t)), storage_bytes(t)
 
 
 def _kind(obj: object) -> str:

@@ -2,7 +2,7 @@
 """The two commands of the README, runnable with nothing but Python 3.10+ and pip.
 
     python3 scripts/dev.py demo   # run demo.ipynb on a real kernel, print what it showed
-    python3 scripts/dev.py test   # ruff, then the suite in two environments, one summary
+    python3 scripts/dev.py test   # ruff and mypy, then the suite in two environments, one summary
 
 Each creates (or reuses) its own virtual environment: `.venv` with the current
 IPython, and for `test` also `.venv-colab` pinned to what Google Colab ships
@@ -94,6 +94,8 @@ def test(pytest_args: list[str]) -> int:
     ensure_chromium()
     print("== ruff check", flush=True)
     lint_rc = _run([py, "-m", "ruff", "check", "."])
+    print("== mypy", flush=True)  # the package, as configured in pyproject.toml
+    lint_rc |= _run([py, "-m", "mypy"])
     totals = {"passed": 0, "failed": 1 if lint_rc else 0, "skipped": 0}
     for name in ENVS:
         env_py = ensure_env(name)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from faults import FailOnAllocation
 
-from torch_device_magic import moving
+from torch_device_magic import moving, probes
 from torch_device_magic.errors import DeviceMagicError
 from torch_device_magic.moving import cell_names, move, restore
 
@@ -1030,7 +1030,7 @@ def test_timings_wait_for_an_accelerator_only_where_its_runtime_is_up(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: up)
     monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
     for dev in ("cpu", "meta", "cuda:0"):
-        moving._sync(torch.device(dev))
+        probes.synchronize(torch.device(dev))
     assert synced == ([torch.device("cuda:0")] if up else [])
 
 

@@ -72,6 +72,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import probes
 from .cells import cell_names  # re-exported: the move's callers find their names there
 from .errors import DeviceMagicError, first_sentence
 from .reports import Table
@@ -559,7 +560,7 @@ def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | N
             home[id(new)] = home.pop(old)
     by_name = {name: sum(plan.nbytes[first:last]) for name, first, last in plan.names}
     target = device if device is not None else _first_target(plan)
-    _sync(target)  # the copies may still be queued: the time is the time they took
+    probes.synchronize(target)  # the copies may still be queued: the time is the time they took
     return MoveResult(
         target,
         {name: n for name, n in by_name.items() if n},
@@ -588,7 +589,7 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
             for group in plan.shared.values():  # each as one span
                 _copy_storage(plan, group, spans)
                 if bar is not None:
-                    _sync(targets[group[0]])
+                    probes.synchronize(targets[group[0]])
                     bar.update(plan.nbytes[group[0]])
             group = None
             if spans or bar is not None:
@@ -597,7 +598,7 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
                     if new is None:  # a tensor with a storage of its own
                         new = t.to(target)
                         if bar is not None:
-                            _sync(target)
+                            probes.synchronize(target)
                             bar.update(plan.nbytes[i])
                     news.append(new)
             else:  # the same without a Python step per tensor (about 0.15 µs a tensor less)
@@ -612,7 +613,7 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
         spans.clear()
         traceback.clear_frames(exc.__traceback__)  # the frames below hold copies too
         gc.collect()
-        _empty_cache(targets[failed[0]])
+        probes.empty_cache(targets[failed[0]])
         if not isinstance(exc, Exception):
             raise  # an interrupt goes on, holding no copies
         # out of memory, a dtype, data-less meta
@@ -664,7 +665,7 @@ def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
     if t.device.type == "meta":
         reason = "it is on the meta device, which holds no data"
     elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():
-        free = _free_bytes(target)
+        free = probes.free_bytes(target)
         reason = "out of memory" + (f" with {fmt_bytes(free)} free" if free is not None else "")
     else:
         reason = first_sentence(exc)
@@ -1091,38 +1092,3 @@ def _has_widgets() -> bool:
         return importlib.util.find_spec("ipywidgets") is not None
     except (ImportError, ValueError):  # a broken install, or one blocked in sys.modules
         return False
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the work queued on `device`, where it is an accelerator whose runtime is up
-    (never starting one to wait on it): a clock read afterwards then sees it done."""
-    if device.type in ("cpu", "meta"):
-        return
-    backend = getattr(torch, device.type, None)
-    up = getattr(backend, "is_initialized", None)
-    if up is not None and up():
-        backend.synchronize(device)
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    """Free memory on `device` where torch or the OS says, else None."""
-    try:
-        if device.type == "cpu":
-            import psutil
-
-            return psutil.virtual_memory().available
-        if device.type == "mps":
-            return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
-        backend = getattr(torch, device.type, None)
-        if hasattr(backend, "mem_get_info"):
-            return backend.mem_get_info(device)[0]
-    except Exception:  # a probe that fails only loses the figure
-        return None
-    return None
-
-
-def _empty_cache(device: torch.device) -> None:
-    if device.type not in ("cpu", "meta"):
-        backend = getattr(torch, device.type, None)
-        if hasattr(backend, "empty_cache"):
-            backend.empty_cache()

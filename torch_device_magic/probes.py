@@ -515,6 +515,15 @@ def empty_cache(device: torch.device) -> None:
         guarded(backend.empty_cache)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`, where it is an accelerator whose runtime is up
+    (never starting one to wait on it): a clock read afterwards then sees it done."""
+    backend: Any = getattr(torch, device.type, None)
+    up = getattr(backend, "is_initialized", None)
+    if device.type not in ("cpu", "meta") and up is not None and up():
+        backend.synchronize(device)
+
+
 def _started(kind: str) -> bool:
     """Whether `kind`'s runtime is up, where it can say (MPS has no runtime to start)."""
     if kind in ("cuda", "xpu"):

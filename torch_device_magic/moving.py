@@ -67,7 +67,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -92,7 +92,10 @@ __all__ = ["MoveResult", "cell_names", "move", "restore"]
 
 _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a progress bar
 _ALIGN = 16  # the largest element size
-_swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # torch >= 2.3
+_swap_impl: Callable[[Tensor, Tensor], None] | None = getattr(
+    torch._C, "_swap_tensor_impl", None
+)  # torch >= 2.3
+_USE_COUNT: Callable[[Tensor], int] = Tensor._use_count  # type: ignore[attr-defined]  # unstubbed
 _NBYTES = operator.attrgetter("nbytes")
 _GRAD = operator.attrgetter("grad")
 _IS_META = operator.attrgetter("is_meta")
@@ -317,7 +320,7 @@ class _Plan:
         start = first
         while start < len(self.tensors):
             end = len(self.tensors)
-            leaves = range(start, end)
+            leaves: Sequence[int] = range(start, end)
             tensors = _pick(self.tensors, leaves)
             if any(map(_REQUIRES_GRAD, tensors)):
                 for i, t in enumerate(tensors, start):
@@ -362,6 +365,7 @@ class _Plan:
         """Plan at once, in C, the entries of a plain dict or list when all are plain tensors
         still to move (the hot case: `{name: tensor}`); else plan nothing, and say so."""
         values = obj.values() if isinstance(obj, dict) else obj
+        assert self.device is not None  # only a move to one device plans at once
         if self.device.type == "meta":
             there = map(_IS_META, values)
         else:
@@ -422,7 +426,7 @@ class _Plan:
                 target = home.get(id(t), inherited)
                 if target is None or t.device == target:
                     continue
-                targets.append(target)
+                targets.append(target)  # type: ignore[union-attr]  # restoring: a list
             tensors.append(t)
             keys.append(key)
         if len(tensors) > start:
@@ -647,13 +651,15 @@ def _copy_storage(plan: _Plan, members: list[int], spans: dict[int, Tensor]) -> 
 
 def _span(group: list[Tensor]) -> tuple[int, int]:
     """The first byte and the number of bytes of storage that the tensors of `group` use."""
-    lo, hi = None, 0
+    lo: int | None = None
+    hi = 0
     for t in group:
         size = t.element_size()
-        start = t.storage_offset() * size
+        start = int(t.storage_offset()) * size
         extent = sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True)) + 1
         lo = start if lo is None else min(lo, start)
         hi = max(hi, start + extent * size if t.numel() else start)
+    assert lo is not None, "a group has tensors"
     lo = lo // _ALIGN * _ALIGN  # so that every dtype's offset from it stays whole
     return lo, hi - lo
 
@@ -694,7 +700,8 @@ def _commit(
             for step in reversed(undo_log):
                 step()
         elif keep_originals:  # each swapped copy holds an original
-            undo.originals += zip(_pick(plan.tensors, swapped), _pick(news, swapped))
+            assert undo is not None and undo.originals is not None
+            undo.originals.extend(zip(_pick(plan.tensors, swapped), _pick(news, swapped)))
             undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
         else:  # done: what follows needs no undoing
             notes += _held_elsewhere(plan, news, swapped)
@@ -791,7 +798,7 @@ def _lone_facts(tensors: list[Tensor]) -> list[tuple[Iterator[object], object]]:
     return [
         (map(sys.getrefcount, tensors), _HELD_ONCE),  # no name, module, optimizer, list...
         (map(weakref.getweakrefcount, tensors), 0),
-        (map(Tensor._use_count, tensors), 1),  # its C++ tensor: no view, graph or grad
+        (map(_USE_COUNT, tensors), 1),  # its C++ tensor: no view, graph or grad
         (map(type, tensors), Tensor),  # not a Parameter, nor a subclass
         # No attributes of its own: nothing but its type, read without making its `__dict__`
         (map(len, map(gc.get_referents, tensors)), _PLAIN_REFERENTS),
@@ -822,7 +829,7 @@ def _set_all(holder: dict | list, keys: list, values: list) -> None:
         collections.deque(map(holder.__setitem__, keys, values), maxlen=0)  # the loop in C
 
 
-def _held_elsewhere(plan: _Plan, olds: list[Tensor], swapped: Sequence[int]) -> list[str]:
+def _held_elsewhere(plan: _Plan, olds: list[Any], swapped: Sequence[int]) -> list[str]:
     """After a commit, the old C++ tensors (held by the swapped copies, `olds`, at the
     indices `swapped`) that something outside the move holds (an autograd graph, a view the
     move does not include): where torch allows it (not to or from meta), their tensors get
@@ -830,7 +837,7 @@ def _held_elsewhere(plan: _Plan, olds: list[Tensor], swapped: Sequence[int]) -> 
     backward pass through such a graph fails, saying why. Returns the notes."""
     # Each old one is held once by its copy; more means another holder, unless it is a
     # view's base or a grad that the move holds as well: those go once the others go.
-    counts = map(Tensor._use_count, _pick(olds, swapped))
+    counts = map(_USE_COUNT, _pick(olds, swapped))
     held = [swapped[j] for j, n in enumerate(counts) if n > 1]
     if not held:
         return []
@@ -839,9 +846,10 @@ def _held_elsewhere(plan: _Plan, olds: list[Tensor], swapped: Sequence[int]) -> 
     notes = []
     for i in held:
         t, old, what = plan.tensors[i], olds[i], _label(plan.where(i))
-        if old._use_count() == 1:
+        if _USE_COUNT(old) == 1:
             continue
         if torch._has_compatible_shallow_copy_type(t, old):
+            assert _swap_impl is not None  # it swapped them in the commit
             _swap_impl(t, old)  # `t` gets its old C++ tensor back, then the new data
             t.data = old
             _reattach_grads([plan.grads[id(t)]] if id(t) in plan.grads else [], {})
@@ -951,7 +959,7 @@ def _rebound(
     def sub(v: object) -> object:
         return _rebound(v, replaced, memo, log)
 
-    def put(holder: object, key: object, new: object) -> None:
+    def put(holder: Any, key: object, new: object) -> None:
         log.append(functools.partial(holder.__setitem__, key, holder[key]))
         holder[key] = new
 
@@ -965,25 +973,27 @@ def _rebound(
         for group in obj.param_groups:
             put(group["params"], slice(None), [sub(p) for p in group["params"]])
         for p in [p for p in obj.state if id(p) in replaced]:
-            new = replaced[id(p)]
-            log.append(functools.partial(_rekey, obj.state, new, p))
-            obj.state[new] = obj.state.pop(p)
+            moved = replaced[id(p)]
+            log.append(functools.partial(_rekey, obj.state, moved, p))
+            obj.state[moved] = obj.state.pop(p)
         for state in obj.state.values():
             sub(state)
     elif isinstance(obj, tuple):
         items = [sub(v) for v in obj]
         if any(a is not b for a, b in zip(items, obj, strict=True)):
-            memo[i] = type(obj)._make(items) if hasattr(obj, "_fields") else type(obj)(items)
+            made: Any = type(obj)
+            memo[i] = made._make(items) if hasattr(obj, "_fields") else made(items)
     elif is_container(type(obj)):
         entries, is_attr = children(obj)
-        for k, v in list(entries):
-            if (new := sub(v)) is v:
+        for key, entry in list(entries):
+            if (new := sub(entry)) is entry:
                 continue
             if is_attr:  # a dataclass's field, frozen ones too
-                log.append(functools.partial(object.__setattr__, obj, k, v))
-                object.__setattr__(obj, k, new)
+                field_name = str(key)
+                log.append(functools.partial(object.__setattr__, obj, field_name, entry))
+                object.__setattr__(obj, field_name, new)
             else:
-                put(obj, k, new)
+                put(obj, key, new)
     return memo[i]
 
 
@@ -1002,6 +1012,7 @@ def _reattach_grads(grads: Iterable[tuple[Tensor, Tensor]], replaced: dict[int, 
 def _put_back_originals(ns: dict, moved: MoveResult, undo: _Undo, start: float) -> MoveResult:
     """Restore from a data-less device: the original C++ tensors go back into their objects."""
     pairs, undo.originals = undo.originals, None
+    assert pairs is not None, "a restore from meta keeps the originals"
     olds, keepers = [t for t, _ in pairs], [k for _, k in pairs]
     pairs.clear()
     with _sigint_held():
@@ -1053,10 +1064,12 @@ def _sigint_held() -> Iterator[list]:
         previous(signal.SIGINT, caught[0])  # the default one raises KeyboardInterrupt
 
 
-def _label(where: _Where) -> str:
+def _label(where: _Where | None) -> str:
+    if where is None:
+        return "the namespace"
     parent, key, is_attr = where
     if parent is None:
-        return key
+        return str(key)
     return f"{_label(parent)}.{key}" if is_attr else f"{_label(parent)}[{key!r}]"
 
 

@@ -107,6 +107,7 @@ def _sub(a: int | None, b: int | None) -> int | None:
 
 
 _NOTHING = Counters(0, 0, 0, 0)  # a device without a context has allocated nothing
+_NONE: dict[str, Any] = {}  # no device watched (never written to)
 
 
 def _changed(before: Counters, after: Counters) -> bool:
@@ -141,12 +142,16 @@ class Meter:
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
         self._device = device
+        # Every cell starts here: with no accelerator up, nothing but the host is read.
         main = active_accelerator(device, self._kinds)
-        watched = [] if main is None else devices_in_use(main)
-        self._before = {a.name: a.counters() for a in watched}
-        for accel in watched:
-            accel.start_peak()
-        self._events = {a.name: a.record_event() for a in watched if a.has_context()}
+        if main is None:
+            self._before = self._events = _NONE
+        else:
+            watched = devices_in_use(main)
+            self._before = {a.name: a.counters() for a in watched}
+            for accel in watched:
+                accel.start_peak()
+            self._events = {a.name: a.record_event() for a in watched if a.has_context()}
         self.host.start()
         self._t0 = clock()
 
@@ -157,7 +162,11 @@ class Meter:
         is kept in `device_error`, never dropped.
         """
         main = active_accelerator(self._device, self._kinds)
-        watched = [] if main is None else devices_in_use(main)
+        if main is None:  # the CPU-only path: the host's figures alone
+            wall_s = clock() - self._t0
+            host_delta, host_peak = self.host.stop()
+            return Measurement(wall_s, None, None, None, None, host_delta, host_peak)
+        watched = devices_in_use(main)
         ends, error = {}, None
         if self.sync:  # without it the end events are not done, so there is no device time
             ends = {a.name: a.record_event() for a in watched if self._events.get(a.name)}
@@ -166,8 +175,6 @@ class Meter:
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
         host_delta, host_peak = self.host.stop()
-        if main is None:
-            return Measurement(wall_s, host_delta_bytes=host_delta, host_peak_bytes=host_peak)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]

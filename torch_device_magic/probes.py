@@ -420,6 +420,8 @@ def active_accelerator(
     lets a caller that asks every cell read the build once. Never starts a runtime.
     """
     kinds = built_kinds() if kinds is None else kinds
+    if not kinds:  # a CPU-only build: asked every cell, so answered first
+        return None
     if device is not None:
         try:
             dev = torch.device(device)

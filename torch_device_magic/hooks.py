@@ -65,6 +65,7 @@ class CellReporter:
         self._open: list[object] = []  # the `info` of each cell running now, outermost first
         self._stdout_watch: tuple[Any, Any, Any, bool] | None = None
         self._line_open = False  # the cell's output so far ends inside a line
+        self._printing = False  # the outermost cell's line is printed (decided as it starts)
         self._adopted: Measurement | None = None
         self._fault: str | None = None  # the line to show instead of the measurement
         self._hint: Callable[[BaseException, str], str | None] | None = None
@@ -152,9 +153,10 @@ class CellReporter:
         self._open.append(info)
         if len(self._open) > 1:
             return  # a cell run inside a cell: the outer one is measured
-        self._adopted, self._fault, self._line_open = None, None, False
+        self._adopted, self._fault, self._line_open, self._printing = None, None, False, False
         try:
-            if self._prints():
+            self._printing = self._prints()  # once a cell: the cell's line goes the same way
+            if self._printing:
                 self._watch_stdout()
             assert self._meter is not None  # registered only with a meter
             self._meter.start()
@@ -165,12 +167,15 @@ class CellReporter:
     def post_run_cell(self, result: Any) -> None:
         # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
         info = getattr(result, "info", None)
+        cells = self._open
         if info is None:  # IPython failed before it made a result: the innermost cell ended
-            at = len(self._open) - 1 if self._open else None
+            at = len(cells) - 1 if cells else None
+        elif cells and cells[-1] is info:  # the usual case: the innermost cell ended
+            at = len(cells) - 1
         else:
-            at = next((n for n, opened in enumerate(self._open) if opened is info), None)
+            at = next((n for n, opened in enumerate(cells) if opened is info), None)
         if at is not None:
-            del self._open[at:]  # and any inner cell left open
+            del cells[at:]  # and any inner cell left open
         outermost = at == 0
         measured = None
         if outermost:
@@ -233,14 +238,14 @@ class CellReporter:
         )
 
     def _show(self, record: Measurement) -> None:
-        if self._prints():
+        if self._printing:
             self._print(record.summary())
         else:
             publish(self._shell.display_pub, record._repr_mimebundle_())
 
     def _publish(self, bundle: dict[str, str]) -> None:
         try:
-            if self._prints():
+            if self._printing:
                 self._print(bundle["text/plain"])
             else:
                 publish(self._shell.display_pub, bundle)

@@ -214,3 +214,14 @@ def test_meter_reads_a_generic_accelerator(tdmdev):
     assert m.device_delta_bytes == 64 * KIB
     assert m.device_peak_bytes == 256 * KIB  # the first was freed before the second came
     assert m.device_s is not None and m.device_s >= 0  # its events, on its stream
+
+
+def test_gpufree_empties_the_test_devices_cache(tdmdev, monkeypatch):
+    from torch_device_magic import gpufree
+
+    emptied = []
+    monkeypatch.setattr(torch.tdmdev, "empty_cache", lambda: emptied.append(True))
+    kept = torch.ones(1024, device=D0)
+    report = gpufree.free_memory()
+    assert "tdmdev:0" in report.before and emptied
+    del kept

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from .probes import (
-    ACCELERATOR_TYPES,
     Accelerator,
     Counters,
     active_accelerator,
+    built_kinds,
     empty_cache,
     guarded,
     runtime_up,
@@ -78,7 +78,7 @@ def accelerators_in_use() -> list[Accelerator]:
     """Every accelerator device whose runtime is already up and, for CUDA, that has a
     context (asking starts none, and a GPU never used is not touched)."""
     found = []
-    for kind in ACCELERATOR_TYPES:
+    for kind in built_kinds():  # a registered PrivateUse1 backend too
         if runtime_up(kind):
             count = 1 if kind == "mps" else getattr(torch, kind).device_count()
             found += [active_accelerator(torch.device(kind, i)) for i in range(count)]

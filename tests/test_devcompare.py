@@ -313,3 +313,12 @@ def test_the_gpus_random_state_is_kept_too(nsip):
     compare(nsip, "cpu cuda -n 2", "torch.rand(3, device=device)")
     nsip.run_cell("after = torch.rand(1, device='cuda')")
     assert torch.equal(nsip.user_ns["after"], nsip.user_ns["expected"])
+
+
+def test_after_comparing_on_the_cpu_our_default_device_is_still_ours(ip):
+    ip.run_cell("%device meta")
+    ip.run_cell("x = torch.ones(2, device='cpu')")
+    ip.run_cell_magic("devcompare", "cpu meta -n 1 --warmup 0", "x + 1")
+    assert torch_default_device() == torch.device("meta")  # back after the cpu side
+    ip.run_cell("%device reset")  # it knows the default as its own and undoes it
+    assert torch_default_device() is None and torch.empty(1).device.type == "cpu"

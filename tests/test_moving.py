@@ -1093,3 +1093,18 @@ def test_every_column_of_a_plan_is_dropped_with_a_tensor_found_again():
         assert plan.requiring_grad == [1] and plan.names == [("a", 0, 2), ("b", 2, 2)]
         assert [plan.where(i) for i in (0, 1)] == [((None, "a", False), 0, False),
                                                   ((None, "a", False), 1, False)]
+
+
+def test_a_sigint_once_a_restorable_move_is_done_comes_with_its_result(monkeypatch):
+    """Ctrl-C after the commit (while waiting for the copies, say): the move is done, and
+    the result that can undo it reaches the caller, which then raises KeyboardInterrupt."""
+    x = torch.arange(4.0)
+    ns = {"x": x}
+    monkeypatch.setattr(probes, "synchronize", lambda dev: os.kill(os.getpid(), signal.SIGINT))
+    moved = move(ns, ["x"], META, restorable=True)
+    assert moved.interrupted and x.is_meta
+    restore(ns, moved)
+    assert ns["x"] is x and torch.equal(x, torch.arange(4.0))
+    y = torch.arange(4.0)
+    with pytest.raises(KeyboardInterrupt):  # nothing to undo with: raised at once
+        move({"y": y}, ["y"], META)

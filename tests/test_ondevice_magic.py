@@ -257,3 +257,18 @@ def test_cpu_0_is_the_cpu_and_nothing_is_copied(ip, ns):
     ip.run_cell("%device cpu:0 --move")
     assert ns["x"] is x and x.data_ptr() == ptr
     assert ns["device"] == torch.device("cpu") and torch_default_device() is None
+
+
+def test_a_ctrl_c_once_the_move_is_done_still_restores(ip, monkeypatch):
+    import os
+    import signal
+
+    from torch_device_magic import probes
+
+    x = torch.arange(4.0)
+    ip.user_ns["x"] = x
+    monkeypatch.setattr(probes, "synchronize", lambda dev: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
+    assert "ran" not in ip.user_ns  # the cell did not run
+    assert ip.user_ns["x"] is x and torch.equal(x, torch.arange(4.0))  # back, with its data

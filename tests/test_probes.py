@@ -258,3 +258,13 @@ def test_free_memory_of_cuda_without_an_index_is_the_current_devices(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: asked.append(d) or (1, 2))
     assert probes.free_and_total(torch.device("cuda")) == (1, 2)
     assert asked == [None]  # torch < 2.2 refuses a torch.device without an index
+
+
+def test_the_default_device_reads_on_torch_2_1_and_2_2_too(monkeypatch):
+    """Before torch 2.3 the slot holds the DeviceContext itself, not a thread-local."""
+    from torch.utils._device import DeviceContext
+
+    monkeypatch.setattr(torch, "_GLOBAL_DEVICE_CONTEXT", DeviceContext("meta"))
+    assert probes.torch_default_device() == torch.device("meta")
+    monkeypatch.setattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    assert probes.torch_default_device() is None

@@ -157,3 +157,13 @@ def test_a_failed_switch_of_cudas_current_device_changes_nothing(monkeypatch):
     assert session.device == META and ns["device"] == META and torch_default_device() == META
     session.close(ns)
     assert torch_default_device() is None
+
+
+def test_close_gives_back_a_device_name_the_user_had_before():
+    ns = {"device": "the user's own"}
+    session = Session()
+    session.set_device(META, ns)
+    session.set_device(CPU, ns)
+    assert ns["device"] == CPU
+    session.close(ns)
+    assert ns["device"] == "the user's own"

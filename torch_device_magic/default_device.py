@@ -22,10 +22,12 @@ import contextlib
 import os
 import threading
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from .probes import torch_default_device
+from .probes import default_context, torch_default_device
 
 _NOT_OURS = object()
 _installed: weakref.ref[DefaultDevice] | None = None  # whose mode a forked child drops
@@ -41,7 +43,7 @@ class DefaultDevice:
 
     def owns(self) -> bool:
         """Whether torch's default device is still the one we set (nobody changed it since)."""
-        return self._mode is not _NOT_OURS and _slot() is self._mode
+        return self._mode is not _NOT_OURS and default_context() is self._mode
 
     def install(self, dev: torch.device | None) -> None:
         """Make `dev` torch's default device (None: none, so factory functions use the CPU)."""
@@ -49,7 +51,7 @@ class DefaultDevice:
         if not self.owns():
             self._before = torch_default_device()
         torch.set_default_device(dev)
-        self._mode = _slot()
+        self._mode = default_context()
         _installed = weakref.ref(self)
         _register_fork_handler()
 
@@ -65,7 +67,7 @@ class DefaultDevice:
     def _drop_in_forked_child(self) -> None:
         """Take our mode off the child's stack (other modes stay: they are not ours)."""
         mode, self._mode = self._mode, _NOT_OURS
-        if mode is None or _slot() is not mode:
+        if mode is None or default_context() is not mode:
             return
         # Not torch.set_default_device(None): under a `with torch.device(...)` block
         # (%%ondevice) its exit asserts that our mode is the only DeviceContext.
@@ -74,26 +76,36 @@ class DefaultDevice:
         for other in reversed(stack):
             if other is not mode:
                 torch._C._push_on_torch_function_stack(other)
-        _clear_slot()
+        _set_slot(None)
         utils_device = getattr(torch.utils, "_device", None)
         if utils_device is not None and hasattr(utils_device, "CURRENT_DEVICE"):  # torch.compile's
             utils_device.CURRENT_DEVICE = getattr(mode, "old_device", None)
 
 
-def _slot() -> object:
-    """What holds torch's default device now: a DeviceContext, or None for none."""
-    slot = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
-    if isinstance(slot, threading.local):  # torch 2.3+: one per thread
-        return getattr(slot, "device_context", None)
-    return slot  # torch 2.1-2.2: the DeviceContext itself
+@contextlib.contextmanager
+def lifted() -> Iterator[None]:
+    """No default device in the block (factory functions use the CPU, and no mode costs on
+    every torch call), then the very same one back: its identity is how `DefaultDevice`
+    knows the default it installed, so `torch.set_default_device(before)` would not do."""
+    context: Any = default_context()
+    if context is None:
+        yield
+        return
+    context.__exit__(None, None, None)
+    _set_slot(None)
+    try:
+        yield
+    finally:
+        context.__enter__()
+        _set_slot(context)
 
 
-def _clear_slot() -> None:
+def _set_slot(context: object) -> None:
     slot = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
     if isinstance(slot, threading.local):
-        slot.device_context = None
+        slot.device_context = context
     else:
-        torch._GLOBAL_DEVICE_CONTEXT = None  # type: ignore[assignment]  # 2.1-2.2: no local
+        torch._GLOBAL_DEVICE_CONTEXT = context  # type: ignore[assignment]  # 2.1-2.2: no local
 
 
 def _in_forked_child() -> None:

@@ -34,11 +34,12 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .default_device import lifted
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
 from .namespace import holds_tensors
-from .probes import active_accelerator, clock, torch_default_device
+from .probes import active_accelerator, clock
 from .reports import Table
 from .units import fmt_seconds
 
@@ -181,12 +182,8 @@ def _default_device(dev: torch.device) -> Iterator[None]:
         with torch.device(dev):
             yield
         return
-    before = torch_default_device()
-    torch.set_default_device(None)
-    try:
+    with lifted():
         yield
-    finally:
-        torch.set_default_device(before)
 
 
 def _on_device(

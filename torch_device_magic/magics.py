@@ -351,6 +351,8 @@ class TorchDeviceMagics(Magics):
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
+            if moved.interrupted:  # a Ctrl-C once the move was done: restored below
+                raise KeyboardInterrupt
             if args.verbose:
                 display(moved.table())
             with torch.device(dev):

@@ -57,6 +57,7 @@ import functools
 import gc
 import importlib.util
 import itertools
+import logging
 import math
 import operator
 import signal
@@ -91,6 +92,7 @@ from .units import fmt_bytes, fmt_seconds, plural
 __all__ = ["MoveResult", "cell_names", "move", "restore"]
 
 _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a progress bar
+_log = logging.getLogger(__name__)
 _ALIGN = 16  # the largest element size
 _swap_impl: Callable[[Tensor, Tensor], None] | None = getattr(
     torch._C, "_swap_tensor_impl", None
@@ -124,6 +126,9 @@ class MoveResult:
     _undo: _Undo | None = field(default=None, repr=False)
     skipped: list[str] = field(default_factory=list)
     restored: int | None = None  # a restore from meta: how many originals were put back
+    # A Ctrl-C that came once a restorable move was done: held back so that the caller has
+    # this result (and can restore) before it raises KeyboardInterrupt itself.
+    interrupted: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -558,21 +563,29 @@ def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | N
     history = [
         f"{_label(plan.where(i))}: moved without its autograd history" for i in plan.with_history
     ]
-    notes, rebound = _commit(ns, plan, news, undo)
-    if home is not None:
-        for old, new in rebound.items():
-            home[id(new)] = home.pop(old)
-    by_name = {name: sum(plan.nbytes[first:last]) for name, first, last in plan.names}
-    target = device if device is not None else _first_target(plan)
-    probes.synchronize(target)  # the copies may still be queued: the time is the time they took
-    return MoveResult(
-        target,
-        {name: n for name, n in by_name.items() if n},
-        time.perf_counter() - start,
-        history + notes,
-        undo,
-        plan.skipped,
-    )
+    with _sigint_held() as interrupted:  # from the commit until the result is made
+        notes, rebound = _commit(ns, plan, news, undo, interrupted)
+        if home is not None:
+            for old, new in rebound.items():
+                home[id(new)] = home.pop(old)
+        by_name = {name: sum(plan.nbytes[first:last]) for name, first, last in plan.names}
+        target = device if device is not None else _first_target(plan)
+        try:  # the copies may still be queued: the time is the time they took
+            probes.synchronize(target)
+        except Exception:  # a sticky CUDA error: the cell's next CUDA call raises it again
+            _log.debug("synchronising after the move failed", exc_info=True)
+        result = MoveResult(
+            target,
+            {name: n for name, n in by_name.items() if n},
+            time.perf_counter() - start,
+            history + notes,
+            undo,
+            plan.skipped,
+        )
+        if interrupted and undo is not None:  # done, and only this result can undo it
+            result.interrupted = True
+            interrupted.clear()
+    return result
 
 
 def _first_target(plan: _Plan) -> torch.device:
@@ -679,7 +692,7 @@ def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
 
 
 def _commit(
-    ns: dict, plan: _Plan, news: list[Tensor], undo: _Undo | None
+    ns: dict, plan: _Plan, news: list[Tensor], undo: _Undo | None, interrupted: list
 ) -> tuple[list[str], dict[int, Tensor]]:
     """Phase 3, all or nothing: give every tensor its copy in place; rebind what torch will
     not change. An error undoes what was done and says so in one line; so does SIGINT,
@@ -687,27 +700,30 @@ def _commit(
     undo_log: list[Callable[[], object]] = []  # what undoes each change made, run last first
     keep_originals = undo is not None and undo.originals is not None
     failure = None
-    with _sigint_held() as interrupted:
-        try:
-            # Once restorable, the move keeps the very objects: none is rebound.
-            notes, replaced, swapped = _apply(ns, plan, news, undo_log, rebind=undo is None)
-        except Exception as exc:
-            failure = (
-                f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
-                f"{first_sentence(exc)}; nothing was moved."
-            )
-        if failure is not None or interrupted:
-            for step in reversed(undo_log):
-                step()
-        elif keep_originals:  # each swapped copy holds an original
-            assert undo is not None and undo.originals is not None
-            undo.originals.extend(zip(_pick(plan.tensors, swapped), _pick(news, swapped)))
-            undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
-        else:  # done: what follows needs no undoing
-            notes += _held_elsewhere(plan, news, swapped)
-        news.clear()  # frees the old data
+    # Under `_execute`'s SIGINT hold: `interrupted` holds what it caught so far.
+    try:
+        # Once restorable, the move keeps the very objects: none is rebound.
+        notes, replaced, swapped = _apply(ns, plan, news, undo_log, rebind=undo is None)
+    except Exception as exc:
+        failure = (
+            f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
+            f"{first_sentence(exc)}; nothing was moved."
+        )
+    rolled_back = failure is None and bool(interrupted)
+    if failure is not None or rolled_back:
+        for step in reversed(undo_log):
+            step()
+    elif keep_originals:  # each swapped copy holds an original
+        assert undo is not None and undo.originals is not None
+        undo.originals.extend(zip(_pick(plan.tensors, swapped), _pick(news, swapped)))
+        undo.rebound.update({id(new): plan.tensors[i] for i, new in replaced.items()})
+    else:  # done: what follows needs no undoing
+        notes += _held_elsewhere(plan, news, swapped)
+    news.clear()  # frees the old data
     if failure is not None:
         raise DeviceMagicError(failure)  # outside the except block: no tensors ride on it
+    if rolled_back:
+        raise KeyboardInterrupt  # Ctrl-C during the commit: nothing was moved
     return notes, {id(plan.tensors[i]): new for i, new in replaced.items()}
 
 

@@ -476,8 +476,15 @@ def _index(dev: torch.device) -> int:
 def torch_default_device() -> torch.device | None:
     """The device `torch.set_default_device` set, or None; read without touching CUDA
     (`torch.get_default_device()` makes a tensor to find a CUDA index)."""
-    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
-    return getattr(context, "device", None)
+    return getattr(default_context(), "device", None)
+
+
+def default_context() -> object:
+    """What holds torch's default device now (a DeviceContext), or None for none."""
+    slot = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    if isinstance(slot, threading.local):  # torch 2.3+: one per thread
+        return getattr(slot, "device_context", None)
+    return slot  # torch 2.1-2.2: the DeviceContext itself
 
 
 def free_and_total(device: torch.device) -> tuple[int, int] | None:

@@ -24,6 +24,8 @@ from . import devices, probes
 from .default_device import DefaultDevice
 from .errors import DeviceMagicError
 
+_NONE = object()  # no `device` in the namespace
+
 
 class Session:
     """The session device and what choosing it changed, undone by `close`."""
@@ -34,6 +36,7 @@ class Session:
         self._bind_only = False  # `%device DEV --no-default`: torch's default left alone
         self._default = DefaultDevice()
         self._bound: torch.device | None = None  # what `device` was bound to, by us
+        self._user_device: object = _NONE  # the user's own `device`, before we bound ours
         self._cuda_current_before: int | None = None  # CUDA's current device before ours
         self._grad_before_nograd: bool | None = None
         self._default_at_load = probes.torch_default_device()
@@ -49,6 +52,9 @@ class Session:
         self.device = dev
         self._bind_only = not torch_default
         self._apply_default()
+        held = namespace.get("device", _NONE)
+        if self._bound is None or held is not self._bound:  # theirs, not one we bound
+            self._user_device = held
         self._bound = torch.device("cpu") if dev is None else dev
         namespace["device"] = self._bound
 
@@ -79,7 +85,12 @@ class Session:
         if self.device is not None:
             self.device = None
             if namespace.get("device") is self._bound:  # not rebound by the user
-                namespace["device"] = self._default_at_load or torch.device("cpu")
+                # Theirs comes back; where there was none, the default (so `.to(device)`
+                # in cells that follow still runs).
+                before = self._user_device
+                namespace["device"] = (
+                    self._default_at_load or torch.device("cpu") if before is _NONE else before
+                )
         if self._grad_before_nograd is not None:
             torch.set_grad_enabled(self._grad_before_nograd)
             self._grad_before_nograd = None

@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torch_device_magic.moving import cell_names, move
+from torch_device_magic.cells import cell_names
+from torch_device_magic.moving import move
 from torch_device_magic.reports import Table
 from torch_device_magic.units import fmt_seconds
 

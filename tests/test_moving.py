@@ -19,8 +19,9 @@ import torch
 from faults import FailOnAllocation
 
 from torch_device_magic import moving, probes
+from torch_device_magic.cells import cell_names
 from torch_device_magic.errors import DeviceMagicError
-from torch_device_magic.moving import cell_names, move, restore
+from torch_device_magic.moving import move, restore
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

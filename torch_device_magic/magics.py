@@ -595,8 +595,10 @@ class TorchDeviceMagics(Magics):
         process-wide peak counter is reset for this), the allocator cache
         (reserved) change, device-wide used memory from NVML (the CUDA context
         and other processes included), wall time with the device synchronised,
-        host RSS change and peak, and the five largest tensors bound to names
-        the cell created or rebound. Without an accelerator in use (or with
+        device time on the current stream (work on other streams is outside it),
+        the allocator backend, host RSS change and peak, and the five largest
+        tensors bound to names the cell created or rebound (the storage each
+        keeps alive). Without an accelerator in use (or with
         `--device cpu`) it says so and reports host memory only. The cell is
         not reported a second time by the per-cell line. `-o` makes the report
         the cell's output instead of its last value (as `%%timeit -o` does);

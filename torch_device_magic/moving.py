@@ -1,6 +1,6 @@
 """Move what a cell's names hold to a device, all or nothing, losing nothing.
 
-    >>> result = move(user_ns, cell_names(code), torch.device("cuda:0"))
+    >>> result = move(user_ns, cells.cell_names(code), torch.device("cuda:0"))
     >>> result.names, result.nbytes, result.seconds, result.not_followed
 
 Three phases, so that a failure changes nothing:
@@ -74,7 +74,6 @@ import torch
 from torch import Tensor
 
 from . import probes
-from .cells import cell_names  # re-exported: the move's callers find their names there
 from .errors import DeviceMagicError, first_sentence
 from .reports import Table
 from .tensors import (
@@ -89,7 +88,7 @@ from .tensors import (
 )
 from .units import fmt_bytes, fmt_seconds, plural
 
-__all__ = ["MoveResult", "cell_names", "move", "restore"]
+__all__ = ["MoveResult", "move", "restore"]
 
 _BAR_MIN_BYTES = 1 << 30  # about a second of host-to-device copying: show a progress bar
 _log = logging.getLogger(__name__)

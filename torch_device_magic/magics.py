@@ -374,6 +374,10 @@ class TorchDeviceMagics(Magics):
                 else:
                     if args.verbose:
                         display(back.table())
+                    for line in back.said:
+                        print(line)
+                    if back.interrupted:  # held back until it was done and shown
+                        raise KeyboardInterrupt
 
     @magic_arguments()
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")

@@ -755,9 +755,10 @@ def test_a_sigint_during_a_restore_waits_until_it_ends(monkeypatch):
     assert torch.equal(torch.cat(tensors), torch.arange(1000.0))
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.003, 0.03, 0.3])
+@pytest.mark.parametrize("delay", [0.0, 0.003, 0.03])
 def test_a_real_sigint_anywhere_in_a_restore_from_meta_loses_nothing(monkeypatch, delay):
-    tensors = [torch.full((1,), float(i)) for i in range(BIG)]
+    n = BIG // 3  # a restore of a tenth of a second or more: each delay lands in it
+    tensors = [torch.full((1,), float(i)) for i in range(n)]
     ns = {"big": tensors}
     result = move(ns, ["big"], META, restorable=True)
     timers: list[threading.Timer] = []
@@ -769,7 +770,7 @@ def test_a_real_sigint_anywhere_in_a_restore_from_meta_loses_nothing(monkeypatch
     except KeyboardInterrupt:  # only once the restore is done
         settle(timers)
     assert ns["big"] is tensors and all(t.device == CPU for t in tensors)
-    assert torch.equal(torch.cat(tensors), torch.arange(float(BIG)))
+    assert torch.equal(torch.cat(tensors), torch.arange(float(n)))
     if back is not None and back.interrupted:
         assert back.said == [RESTORE_INTERRUPTED]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -804,7 +805,10 @@ def test_a_users_sigint_handler_gets_a_signal_sent_in_the_commit(
         return swap_all(*args, **kwargs)
 
     monkeypatch.setattr(moving, "_swap_all", swapping)
-    result = move(ns, ["big"], META, restorable=restorable)  # no KeyboardInterrupt
+    try:
+        result = move(ns, ["big"], META, restorable=restorable)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cancelled the move instead of reaching the user's handler")
     assert stops == [signal.SIGINT] and not result.interrupted
     assert all(t.device == META for t in tensors)  # the move was done
     assert signal.getsignal(signal.SIGINT) is handler

@@ -203,7 +203,7 @@ def test_restore_sends_a_split_model_back_split(tdmdev, ip, body):
     assert on(model.emb.weight.grad) == {"cpu"} and on(model.body[1].bias.grad) == {body}
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.002, 0.02, 0.2])
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.02])
 def test_a_real_sigint_in_a_restore_from_the_device_finishes_it(tdmdev, monkeypatch, delay):
     tensors = [torch.full((1,), float(i)) for i in range(20_000)]
     ns = {"big": tensors}
@@ -241,8 +241,10 @@ def test_a_users_sigint_handler_gets_a_signal_sent_in_a_restore(tdmdev, monkeypa
     monkeypatch.setattr(moving, "_swap_all", swapping)
     signal.signal(signal.SIGINT, stop_after_this_epoch)
     try:
-        back = restore(ns, moved)  # no KeyboardInterrupt
+        back = restore(ns, moved)
         assert signal.getsignal(signal.SIGINT) is stop_after_this_epoch
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cancelled the restore instead of reaching the user's handler")
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     assert stops == [signal.SIGINT] and not back.interrupted

@@ -36,12 +36,15 @@ Three phases, so that a failure changes nothing:
    history arrives without it.
    The commit is all or nothing too: an error in it undoes what it did, and
    SIGINT (Ctrl-C, a notebook's stop button) waits until it ends, then cancels
-   the move.
+   the move; a handler of the user's own gets it then instead, cancelling nothing.
 
 `restore` from `meta` needs no data: after the swap, each copy holds the
 original C++ tensor, which is swapped back into the very object it came from,
 with its data, `grad_fn`, hooks and `.grad`. Whatever the cell left holding the
-meta ones (a kept graph, `Out`, a traceback, a view) keeps those.
+meta ones (a kept graph, `Out`, a traceback, a view) keeps those, but a name the
+cell bound to meta tensors gets its original back. A restore holds SIGINT from
+start to end: it is never left half done. Each tensor goes back where it was;
+what the cell added to a module, where the submodule it joined came from.
 
 Optimizer state follows its parameters by torch's own rule: `step` stays where
 it is unless the group is `capturable` or `fused`. Nothing here touches

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 
 import pytest
@@ -186,11 +187,11 @@ def devices(model: torch.nn.Module) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("body", [D0, D1])  # D1: already where the cell runs
-def test_restore_sends_a_split_model_back_split(tdmdev, ip, body):
+def test_restore_sends_a_split_model_back_split(tdmdev, ip, capsys, body):
     ip.run_cell(SPLIT.format(body=body))
     model = ip.user_ns["model"]
     ip.run_cell_magic(
-        "ondevice", f"{D1} --restore",
+        "ondevice", f"{D1} --restore -v",
         "model(torch.tensor([1, 2])).sum().backward()\nopt.step()\n"
         "model.body[0].lora = torch.nn.Parameter(torch.ones(2))\n"  # added to a part on `body`
         "model.body.add_module('extra', torch.nn.Linear(2, 2))",
@@ -201,6 +202,8 @@ def test_restore_sends_a_split_model_back_split(tdmdev, ip, body):
     state = ip.user_ns["opt"].state
     assert on(*state[model.emb.weight].values()) == {"cpu"}
     assert on(model.emb.weight.grad) == {"cpu"} and on(model.body[1].bias.grad) == {body}
+    titles = re.findall(r"^moved .+? to (.+) in \S+ \S+$", capsys.readouterr().out, re.M)
+    assert titles == [D1, "cpu, tdmdev:0" if body == D0 else "cpu"]  # the move's, the restore's
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.002, 0.02])

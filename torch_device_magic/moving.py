@@ -133,6 +133,7 @@ class MoveResult:
     # KeyboardInterrupt itself. Only under Python's own handler: a user's gets the signal.
     interrupted: bool = False
     said: list[str] = field(default_factory=list)  # a restore: lines to show even without -v
+    to: str = ""  # a restore to several devices: all of them ("cpu, cuda:0")
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +144,7 @@ class MoveResult:
             title = f"restored {plural(self.restored, 'tensor')} from meta (the originals put back)"
         elif self.names:
             took = fmt_seconds(self.seconds)
-            title = f"moved {fmt_bytes(self.nbytes)} to {self.device} in {took}"
+            title = f"moved {fmt_bytes(self.nbytes)} to {self.to or self.device} in {took}"
         else:
             title = f"nothing to move to {self.device}"
         rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
@@ -614,6 +615,7 @@ def _execute(
             history + notes,
             undo,
             plan.skipped,
+            to=", ".join(sorted(set(map(str, plan.targets)))) if device is None else "",
         )
         if interrupted.raises and interrupted and undo is not None:  # only it can undo this
             result.interrupted = True

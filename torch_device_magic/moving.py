@@ -1122,8 +1122,9 @@ class _Caught(list):
 
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[_Caught]:
-    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver what
-    the block left of it to the handler in force before, the user's own too, once.
+    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver each
+    signal the block left to the handler in force before (Python's raises at the first; a
+    user's own sees every press, as it would have).
 
     Only in the main thread (where Python handles signals) and where a Python handler is in
     force."""
@@ -1139,8 +1140,8 @@ def _sigint_held() -> Iterator[_Caught]:
         yield caught
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
-        previous(signal.SIGINT, caught[0])
+    for frame in caught:
+        previous(signal.SIGINT, frame)
 
 
 def _label(where: _Where | None) -> str:

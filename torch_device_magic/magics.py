@@ -515,8 +515,8 @@ class TorchDeviceMagics(Magics):
         chosen = devices_to_compare(args.devices, take_inventory(probe_cuda_runtime=cuda))
         run = cells.compiled(self.shell, cell)
         hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
-        reads = [n for n in cells.names_read(self.shell, cell) if n not in hidden]
-        result = compare(self.shell.user_ns, run, reads, chosen, args.runs, args.warmup)
+        result = compare(self.shell.user_ns, run, cells.names_read(self.shell, cell), chosen,
+                         args.runs, args.warmup, hidden)
         if args.output:
             return result
         display(result)

@@ -310,10 +310,14 @@ class TorchDeviceMagics(Magics):
         Choices where the contract is silent:
         - Names are the global names the cell's code reads (the roots of
           `a.b[c]` too), also inside the functions and lambdas it defines, but
-          not their parameters, loop variables or locals; not inside the
-          functions it calls: a training function that uses a global optimizer
-          needs that optimizer named, or --all. Names inside nested magics
-          (`%time f(x)`) are not seen either.
+          not their parameters, loop variables or locals; and the globals that
+          the notebook's own functions it calls read (methods of its classes,
+          lambdas, partials and decorated functions too), transitively: a
+          `train_step()` that uses a global model and optimizer moves them.
+          What cannot follow stays where it is, and -v names it: the globals
+          of a module of your own (`train.py`), a closure's or a default
+          argument's tensors. Names inside nested magics (`%time f(x)`) are
+          not seen.
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry, a weak reference, a module attribute
           and an optimizer that held the same tensor still do, with its
@@ -348,13 +352,17 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
                  else cells.names_read(self.shell, cell))
+        found = cells.reach(self.shell.user_ns, names)  # what the notebook functions it calls read
+        names = sorted({*names, *found.names})
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
             if moved.interrupted:  # a Ctrl-C once the move was done: restored below
                 raise KeyboardInterrupt
             if args.verbose:
-                display(moved.table())
+                table = moved.table()
+                table.notes = [*table.notes, *found.notes()]
+                display(table)
             with torch.device(dev):
                 return run()
         except BaseException as err:

@@ -480,7 +480,8 @@ def test_a_tensor_the_cell_only_reads_is_not_copied_on_its_own_device(ip):
     ip.run_cell("from torch.utils.data import TensorDataset\n"
                 "ds = TensorDataset(torch.arange(1000.0)); seen = []")
     address = ip.user_ns["ds"].tensors[0].untyped_storage().data_ptr()
-    compare(ip, "cpu meta -n 2", "seen.append((device.type, ds.tensors[0].untyped_storage().data_ptr()))\n"
+    compare(ip, "cpu meta -n 2",
+            "seen.append((device.type, ds.tensors[0].untyped_storage().data_ptr()))\n"
             "ds[3][0] * 2")
     on_cpu = {ptr for dev, ptr in ip.user_ns["seen"] if dev == "cpu"}
     assert on_cpu == {address}  # the user's own storage, read in place

@@ -350,14 +350,16 @@ class _Reacher:
 
     def _class(self, cls: type) -> None:
         for klass in cls.__mro__:
+            functions = [fn for value in vars(klass).values()
+                         for fn in (value, getattr(value, "__func__", None),
+                                    getattr(value, "fget", None), getattr(value, "fset", None))
+                         if isinstance(fn, types.FunctionType)]
             module = sys.modules.get(klass.__module__)
-            if module is None or _installed(vars(module)):
-                continue
-            for value in vars(klass).values():
-                for fn in (value, getattr(value, "__func__", None),
-                           getattr(value, "fget", None), getattr(value, "fset", None)):
-                    if isinstance(fn, types.FunctionType):
-                        self.push(fn, _label(fn, self.ns))
+            if (module is not None and _installed(vars(module))
+                    and not any(fn.__globals__ is self.ns for fn in functions)):
+                continue  # torch's, the standard library's: no notebook's globals
+            for fn in functions:
+                self.push(fn, _label(fn, self.ns))
 
     def _instance(self, obj: object, label: str) -> None:
         self.push(type(obj), label)

@@ -2,8 +2,10 @@
 
     python bench/bench_devcompare.py [--against REV] [--mib 256] [--rounds 3]
 
-The cell, `x, y = ds[123]` and a small sum, takes well under a millisecond; the
-dataset is `--mib` MiB of float32 features and int64 labels. It runs under
+Two cells on a dataset of `--mib` MiB (float32 features, int64 labels): *reads*,
+`x, y = ds[123]` and a small sum, well under a millisecond; *writes*, which
+zeroes the first row of the features in place, so that its working set is a
+copy of them. It runs under
 `%%devcompare cpu meta -n 5` (meta: no GPU is needed here, and a copy to meta
 costs the host nothing, so every host byte above the data is devcompare's).
 
@@ -17,7 +19,8 @@ are not counted as copies. Figures:
 
 - *peak / data*: the process's RSS peak during the cell, less its RSS before
   the data was made, over the data's size. The data once is 1.00x; target:
-  the data once plus one device's working set.
+  the data once plus one device's working set (reads: 1.00x; writes: the
+  features once more, 1.97x).
 - *extra / data*: the peak above the RSS just before the cell, over the data.
 - the cell's wall time under `%%devcompare`, all devices and runs included.
 """
@@ -46,7 +49,7 @@ def rss():
         return {k: int(v.split()[0]) * 1024 for k, v in (l.split(":", 1) for l in f)
                 if k in ("VmRSS", "VmHWM")}
 
-mib = int(sys.argv[1])
+mib, cell = int(sys.argv[1]), sys.argv[2]
 ip = InteractiveShell.instance()
 ip.run_cell("%load_ext torch_device_magic")
 ip.run_cell("%devreport off")
@@ -65,7 +68,7 @@ before = rss()["VmRSS"]
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 t0 = time.perf_counter()
-ip.run_cell_magic("devcompare", "cpu meta -n 5 -o", "x, y = ds[123]\nx.sum() + y")
+ip.run_cell_magic("devcompare", "cpu meta -n 5 -o", cell)
 wall = time.perf_counter() - t0
 peak = rss()["VmHWM"]
 import torch_device_magic
@@ -86,11 +89,17 @@ def exported(rev: str, into: Path) -> Path:
     return into
 
 
-def measure(package_root: Path, mib: int) -> tuple[float, float, float]:
+CELLS = {
+    "reads": "x, y = ds[123]\nx.sum() + y",
+    "writes": "ds.tensors[0][:1].zero_()\nds.tensors[0][:4].sum()",
+}
+
+
+def measure(package_root: Path, mib: int, cell: str) -> tuple[float, float, float]:
     """(peak / data, extra / data, wall seconds) of one child process."""
     env = {**os.environ, "PYTHONPATH": str(package_root)}
     # `-c` puts the working folder first on sys.path: it must be the package's own.
-    done = subprocess.run([sys.executable, "-c", CHILD, str(mib)], env=env, cwd=package_root,
+    done = subprocess.run([sys.executable, "-c", CHILD, str(mib), cell], env=env, cwd=package_root,
                           capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the measurement with {package_root} failed:\n{done.stderr}")
@@ -107,19 +116,20 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = exported(args.against, Path(tmp))
-        found: dict[str, list[tuple[float, float, float]]] = {"this": [], args.against: []}
+        found: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         for _ in range(args.rounds):
-            found[args.against].append(measure(base, args.mib))
-            found["this"].append(measure(ROOT, args.mib))
-    print(f"%%devcompare cpu meta -n 5, a cell reading a {args.mib} MiB TensorDataset, "
-          f"{args.rounds} rounds")
-    print(f"{'':10}  {'peak / data':>22}  {'extra / data':>22}  {'wall s':>18}")
-    for label, rows in found.items():
+            for case, cell in CELLS.items():
+                for label, root in ((args.against, base), ("this", ROOT)):
+                    found.setdefault((case, label), []).append(measure(root, args.mib, cell))
+    print(f"%%devcompare cpu meta -n 5 on a {args.mib} MiB TensorDataset, {args.rounds} rounds: "
+          "median (min-max)")
+    print(f"{'cell':7} {'code':10}  {'peak / data':>18}  {'extra / data':>18}  {'wall s':>18}")
+    for (case, label), rows in found.items():
         cols = []
         for i in range(3):
             values = [r[i] for r in rows]
-            cols.append(f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})")
-        print(f"{label:10}  {cols[0]:>22}  {cols[1]:>22}  {cols[2]:>18}")
+            cols.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+        print(f"{case:7} {label:10}  {cols[0]:>18}  {cols[1]:>18}  {cols[2]:>18}")
 
 
 if __name__ == "__main__":

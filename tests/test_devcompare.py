@@ -527,3 +527,12 @@ def test_copies_that_do_not_fit_are_refused_with_the_sizes(ip, monkeypatch):
     assert str(err.value) == ("%%devcompare needs 1.0 MiB on the host for its copies of the "
                               "cell's inputs, and 512.0 KiB is free there: nothing ran")
     assert ip.user_ns["ran"] == []
+
+
+def test_a_warmup_started_again_starts_from_the_same_random_state(ip):
+    ip.run_cell("x = torch.arange(6.0); seen = []\n"
+                "torch.manual_seed(0); first = torch.rand(1).item(); torch.manual_seed(0)")
+    compare(ip, "cpu meta -n 1", "seen.append(torch.rand(1, device='cpu').item())\nx.add_(1)")
+    seen, first = ip.user_ns["seen"], ip.user_ns["first"]
+    assert seen[0] == seen[1] == first  # the stopped warm-up, then the one on a copy
+    assert torch.equal(ip.user_ns["x"], torch.arange(6.0))

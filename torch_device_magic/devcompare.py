@@ -5,15 +5,23 @@
     >>> [(d.device, d.median_s, d.speedup, d.max_abs_diff) for d in result.devices]
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
-For each device in turn the names the cell reads that hold tensors (in
+The names the cell reads, and those the notebook's functions it calls read
+(`cells.reach`), are its inputs; a function that reaches tensors through no
+name of the notebook (its own module's globals, a closure) is refused before
+anything runs. For each device in turn the inputs that hold tensors (in
 containers or in any object's attributes: a dataset, an LR scheduler) are
-deep-copied together (aliases and views stay shared among the copies), tensors
-on an accelerator straight to the device, and the copies moved there with the
-`%%ondevice` mover; the cell runs with that device as torch's default and as
-`device` (the CPU under no device mode, which would slow every torch call);
-then the namespace gets back exactly the bindings it had, so neither the copies
-nor anything the cell bound leak out, and the random states are put back. The
-cell is compiled once, run `warmup` times, then timed `runs` times, the device
+deep-copied together (aliases and views stay shared among the copies), the
+memo seeded with each tensor's copy: a tensor on another device is copied
+straight to the device, one already there is *shared* (a new tensor on its
+storage), unless `--warmup 0`. The first warm-up runs under `_WriteGuard`,
+which stops it before any operator writes into a shared storage; what the
+name that reached it holds is then copied and the warm-up made again. The copies
+are moved there with the `%%ondevice` mover; the cell runs with that device as
+torch's default and as `device` (the CPU under no device mode, which would slow
+every torch call); then the namespace gets back exactly the bindings it had,
+the copies are freed before the next device's are made, and the random states
+(torch's and the user's generators the cell reaches) are put back. The cell is
+compiled once, run `warmup` times, then timed `runs` times, the device
 synchronised around each timed run where its runtime is up.
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 import cmath
 import contextlib
 import copy
+import functools
 import gc
 import math
 import statistics
@@ -152,8 +161,10 @@ def compare(
     for i, dev in enumerate(devices):
         made: list[weakref.ref] = []
         try:
-            with _rng_kept(devices, kept):  # each device starts from the notebook's random state
-                runs_s, value = _on_device(namespace, run, dev, names, runs, warmup, made)
+            # Each device (and each new start of a stopped warm-up) starts from the notebook's
+            # random state, which is put back after.
+            rng = functools.partial(_rng_kept, devices, kept)
+            runs_s, value = _on_device(namespace, run, dev, names, runs, warmup, made, rng)
         except BaseException:
             reference = None  # IPython keeps the traceback, and this frame with it
             raise
@@ -204,7 +215,7 @@ def _default_device(dev: torch.device) -> Iterator[None]:
 
 def _on_device(
     ns: dict[str, Any], run: Callable[[], Any], dev: torch.device, names: list[str], runs: int,
-    warmup: int, made: list[weakref.ref],
+    warmup: int, made: list[weakref.ref], rng: Callable[[], contextlib.AbstractContextManager],
 ) -> tuple[list[float], Any]:
     """The runs on `dev`. With a warm-up, tensors already on `dev` are shared, and the first
     warm-up runs under a guard that stops it before it writes one; what that run would have
@@ -213,7 +224,8 @@ def _on_device(
     written: set[str] = set() if warmup else set(names)  # names whose tensors are all copied
     while True:
         try:
-            return _runs(ns, run, dev, names, written, runs, warmup, made)
+            with rng():
+                return _runs(ns, run, dev, names, written, runs, warmup, made)
         except _SharedWrite as hit:
             written |= hit.names
         _free(made, dev)  # the stopped run's copies, before the next ones are made

@@ -500,12 +500,22 @@ class TorchDeviceMagics(Magics):
 
         On each device the cell gets copies of what it reads that holds tensors
         (models, optimizers, containers, and objects holding them such as a
-        TensorDataset or an LR scheduler), accelerator tensors copied straight
-        there and the rest moved as %%ondevice moves it, with that device as
-        torch's default and as `device` (the CPU runs with no default device
-        installed, even under %device). Afterwards the namespace is exactly as
-        before: nothing the cell bound or changed stays, and the random state of
-        the CPU and the devices is as it was. Times are wall times with the
+        TensorDataset or an LR scheduler), also what the notebook's own
+        functions it calls read (`loss = train_step()` trains copies of the
+        global model and optimizer, never yours), with that device as torch's
+        default and as `device` (the CPU runs with no default device installed,
+        even under %device). A function that reaches tensors through no name of
+        the notebook (a module of your own's globals, a closure, a default
+        argument) is refused in one line and nothing runs; installed code
+        (torch, the standard library, site-packages) is not looked into.
+        Tensors are copied straight to the device; one already there is shared
+        unless the first warm-up, run under a guard that stops it before any
+        write into it, shows the cell writes it (then it is copied; --warmup 0
+        copies everything). Copies that do not fit in the free memory are
+        refused in one line; each device's are freed before the next device's.
+        Afterwards the namespace is exactly as before: nothing the cell bound
+        or changed stays, and the random state of the CPU, the devices and
+        your own generators the cell reaches is as it was. Times are wall times with the
         device synchronised; the difference is the largest absolute difference
         between the devices' values of the cell's last expression (tensors, or
         lists, tuples and dicts of them): NaN in the same places is equal, NaN

@@ -20,7 +20,7 @@ are not counted as copies. Figures:
 - *peak / data*: the process's RSS peak during the cell, less its RSS before
   the data was made, over the data's size. The data once is 1.00x; target:
   the data once plus one device's working set (reads: 1.00x; writes: the
-  features once more, 1.97x).
+  dataset once more, since all that the written name reaches is copied: 2.00x).
 - *extra / data*: the peak above the RSS just before the cell, over the data.
 - the cell's wall time under `%%devcompare`, all devices and runs included.
 """

@@ -536,3 +536,13 @@ def test_a_warmup_started_again_starts_from_the_same_random_state(ip):
     seen, first = ip.user_ns["seen"], ip.user_ns["first"]
     assert seen[0] == seen[1] == first  # the stopped warm-up, then the one on a copy
     assert torch.equal(ip.user_ns["x"], torch.arange(6.0))
+
+
+def test_a_write_only_later_runs_make_stops_the_comparison_and_says_so(ip):
+    ip.run_cell("x = torch.arange(6.0); seen = []")
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%devcompare cpu meta -n 3\nseen.append(1)\nif len(seen) > 2:\n    x.add_(1)")
+    assert str(err.value) == (
+        "%%devcompare stopped: a timed run on cpu wrote into x, which the guarded warm-up run "
+        "did not; those values have changed (run it with --warmup 0, which copies everything)")
+    assert len(ip.user_ns["seen"]) == 3  # it stopped after the first run that wrote

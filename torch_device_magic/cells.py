@@ -13,7 +13,10 @@ nothing and reads as a plain cell's syntax error, then one line; top-level
 `cell_names` says which of the namespace's names a cell reads, for the magics
 that move or copy them first: the free global names, found with `symtable`, so
 that a parameter, a comprehension's variable or a function's local that shares
-a name with a global is not taken for it.
+a name with a global is not taken for it. `reach` adds what the notebook's own
+functions that those names hold read when called (their code's global loads,
+found with `dis`, transitively), and says where a function reaches tensors
+that no name of the notebook holds (a module of the user's own, a closure).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
     python bench/bench_report.py              # all three; a few minutes
     python bench/bench_report.py --quick      # fewer cells, for a smoke run
     python bench/bench_report.py --no-kernel  # without nbclient
+    python bench/bench_report.py --no-kernel --against af6fdaa  # also that commit's report
 
 Every part runs the same one-line cell, alternating the modes with the order
 rotating, so that drift and the load of other processes hit all modes alike:
@@ -20,6 +21,9 @@ cell at a time.
   every cell and sends nothing. "message alone" sends a constant line the way
   the report does and measures nothing; "printed line" prints one (autotime's
   kind of message). Together they separate the measuring from the message.
+- `--against COMMIT` adds, in-process, the report as it was at that commit
+  (its package extracted with `git archive` under another name), so that a
+  change's cost is read against the code before it in the same run.
 - Long run: 10,000 cells with the report on: per tenth, the whole cell's cost,
   the part spent in our two callbacks, and what the reporter holds (its bounded
   history). IPython itself keeps every cell's input and printed output, so the
@@ -70,15 +74,15 @@ def quiet():
         yield
 
 
-def alternate(run_block, cells: int, rounds: int, compare) -> dict[str, float]:
+def alternate(run_block, cells: int, rounds: int, compare, modes) -> dict[str, float]:
     """Median over rounds of `compare(mode's block, the bare block of the same round)`."""
-    order = list(MODES)
+    order = list(modes)
     for mode in order * 2:  # warm up every path
         run_block(mode, 20)
-    found: dict[str, list[float]] = {m: [] for m in MODES}
+    found: dict[str, list[float]] = {m: [] for m in modes}
     for n in range(rounds):
         seconds = {mode: run_block(mode, cells) for mode in rotated(order, n)}
-        for mode in MODES:
+        for mode in modes:
             found[mode].append(compare(seconds[mode], seconds["bare"]))
     return {m: statistics.median(v) for m, v in found.items()}
 
@@ -88,12 +92,35 @@ def rotated(order: list[str], n: int) -> list[str]:
     return order[n % len(order) :] + order[: n % len(order)]
 
 
-def in_process(cells: int, rounds: int) -> dict[str, float]:
-    """Seconds added per cell over bare IPython, per mode."""
+def package_at(commit: str) -> str:
+    """This repository's package at `commit`, importable under a name of its own."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    name = f"tdm_at_{commit[:12]}"
+    where = Path(tempfile.mkdtemp(prefix="bench_report_"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "torch_device_magic"],
+        check=True, capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+        tar.extractall(where, filter="data")
+    (where / "torch_device_magic").rename(where / name)
+    sys.path.insert(0, str(where))
+    return name
+
+
+def in_process(cells: int, rounds: int, against: str | None = None) -> dict[str, float]:
+    """Seconds added per cell over bare IPython, per mode (and at `against`)."""
     ip = shell()
+    modes = dict(MODES)
+    if against:
+        old = package_at(against)
+        modes[f"ours at {against}"] = ([f"%load_ext {old}"], [f"%unload_ext {old}"])
 
     def run_block(mode: str, n: int) -> float:
-        before, after = MODES[mode]
+        before, after = modes[mode]
         for line in before:
             ip.run_cell(line)
         start = time.perf_counter()
@@ -105,7 +132,7 @@ def in_process(cells: int, rounds: int) -> dict[str, float]:
         return elapsed
 
     with quiet():
-        return alternate(run_block, cells, rounds, lambda mode, bare: mode - bare)
+        return alternate(run_block, cells, rounds, lambda mode, bare: mode - bare, modes)
 
 
 # On a kernel, two references besides autotime: the report's message alone (a
@@ -251,16 +278,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cells (a smoke run)")
     parser.add_argument("--no-kernel", action="store_true", help="skip the nbclient part")
+    parser.add_argument("--no-long-run", action="store_true", help="skip the 10,000 cells")
+    parser.add_argument("--against", metavar="COMMIT", help="in-process, also this commit's")
     args = parser.parse_args()
 
     cells, rounds = (100, 8) if args.quick else (100, 60)
-    added = in_process(cells, rounds)
+    added = in_process(cells, rounds, args.against)
     show(
         f"in-process: {rounds} rounds of {cells} cells per mode",
         "µs added per cell",
-        {m: f"{added[m] * 1e6:.1f}" for m in MODES},
+        {m: f"{added[m] * 1e6:.1f}" for m in added},
     )
-    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)\n")
+    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)")
+    if args.against:
+        then = added[f"ours at {args.against}"]
+        print(f"ours / ours at {args.against}: {added['ours'] / then:.3f}x")
+    print()
 
     if not args.no_kernel:
         cells = 100 if args.quick else 1500
@@ -275,6 +308,8 @@ def main() -> None:
             print(f"{mode:<18} {ratio:17.3f}x {client - client0:15.0f} µs {kern - kernel0:6.0f} µs")
         print(kernel_verdict(kernel["ours"][0], kernel["autotime"][0]) + "\n")
 
+    if args.no_long_run:
+        return
     total = 1000 if args.quick else 10_000
     rows = long_run(total)
     print(f"long run: {total} cells with the report on")

@@ -174,7 +174,10 @@ class ChildWatch:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._children_fds: dict[int, int | None] = {}  # thread ident -> its children file
+        self._ident: int | None = None  # the thread whose file `_fd` is
+        self._fd: int | None = None
         self._live: dict[int, _Proc] = {}  # descendants alive at the last look
+        self._roots: set[int] = set()  # of them, our own children (the walk starts there)
         self._forked: set[int] = set()  # pids forked since the last start (or stop)
         self._usage = _guarded_usage()
         _watches.add(self)
@@ -184,12 +187,13 @@ class ChildWatch:
 
     def start(self) -> None:
         """Only where children were known (alive at the last look, or forked since) is
-        anything read: which are alive, their CPU time, and their peaks reset."""
-        forked, self._forked = self._forked, set()
-        if not self._live and not forked:
+        anything read: which are alive, their CPU time, their peaks reset, and the
+        reaped children's figures to compare with at the end."""
+        if not self._live and not self._forked:
             return
+        forked, self._forked = self._forked, set()
         try:
-            live = self._tree(set(self._live) | forked)
+            live = self._tree(self._roots | forked)
             for proc in live.values():
                 proc.new = False
                 proc.ticks = _or_none(proc.cpu_ticks)
@@ -197,26 +201,30 @@ class ChildWatch:
             self._live = live
         except Exception:
             _log.debug("reading the children at the start failed", exc_info=True)
+        self._usage = _guarded_usage()
 
     def stop(self) -> Workers:
-        """The cell's workers, as they are now (NONE, at once, for a cell without)."""
-        usage = _guarded_usage()
+        """The cell's workers, as they are now (NONE, at once, for a cell without).
+
+        Without known children this is one read of this thread's children file; the
+        reaped children's figures are read only where the cell had children (their
+        starting point was read at the start, or at the cell's first fork)."""
         listed = self._listed()
-        known = set(self._live) | self._forked
-        if not listed and not known and usage == self._usage:
+        if not listed and not self._live and not self._forked:
             return NONE
-        before, self._usage = self._usage, usage
+        before = self._usage
+        usage = self._usage = _guarded_usage()
         try:
-            return self._read(before, usage, set(listed) | known)
+            return self._read(before, usage, {int(p) for p in listed} | self._roots)
         except Exception:
             _log.debug("reading the workers failed", exc_info=True)
-            self._live, self._forked = {}, set()
+            self._live, self._roots, self._forked = {}, set(), set()
             return NONE
 
     def _read(self, before: tuple, usage: tuple, pids: set[int]) -> Workers:
         forked, self._forked = self._forked, set()
         old = self._live
-        live = self._tree(pids)
+        live = self._tree(pids | forked)
         gone = (set(old) | forked) - set(live)
         workers = []
         for proc in live.values():
@@ -230,6 +238,7 @@ class ChildWatch:
                 continue  # alive all through the cell, and idle in it: not its worker
             workers.append(Worker(proc.pid, peak, _or_none(proc.pss)))
         self._live = {pid: p for pid, p in live.items() if pid not in gone}
+        self._roots -= gone
         for pid in gone:
             if pid in live:
                 live[pid].close()
@@ -245,7 +254,9 @@ class ChildWatch:
         )
 
     def _tree(self, pids: set[int]) -> dict[int, _Proc]:
-        """The processes of `pids` still there and all their descendants, by pid."""
+        """The processes of `pids` (our children) still there and all their descendants,
+        by pid; a grandchild whose parent died is not ours any more, so not found."""
+        self._roots = set()
         found: dict[int, _Proc] = {}
         todo = list(pids)
         while todo:
@@ -259,40 +270,50 @@ class ChildWatch:
                 proc.close()
                 continue
             found[pid] = proc
+            if pid in pids:
+                self._roots.add(pid)
         return found
 
-    def _listed(self) -> list[int]:
+    def _listed(self) -> list[bytes]:
         """This thread's children, from the file kept open for it (none where missing)."""
-        ident = threading.get_ident()
-        fd = self._children_fds.get(ident, -1)
+        if threading.get_ident() != self._ident:
+            self._open_children()
+        if self._fd is None:
+            return []
+        try:
+            return os.pread(self._fd, 4096, 0).split()
+        except OSError:
+            return []
+
+    def _open_children(self) -> None:
+        """Keep the calling thread's children file open (threads keep their own)."""
+        self._ident = threading.get_ident()
+        fd = self._children_fds.get(self._ident, -1)
         if fd == -1:
             path = f"/proc/self/task/{threading.get_native_id()}/children"
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
+            except OSError:  # no CONFIG_PROC_CHILDREN, or no /proc: forks and exits only
                 fd = None
-            self._children_fds[ident] = fd
-        if fd is None:
-            return []
-        try:
-            return [int(p) for p in os.pread(fd, 4096, 0).split()]
-        except (OSError, ValueError):
-            return []
+            self._children_fds[self._ident] = fd
+        self._fd = fd
 
     def close(self) -> None:
         for proc in self._live.values():
             proc.close()
-        self._live = {}
+        self._live, self._roots = {}, set()
         for fd in self._children_fds.values():
             if fd is not None:
                 _or_none(os.close, fd)
-        self._children_fds = {}
+        self._children_fds, self._ident, self._fd = {}, None, None
         _watches.discard(self)
 
     # --- forks ----------------------------------------------------------------------------
 
     def _after_fork_in_parent(self) -> None:
         """Note the child just forked (the forking thread's children, read now)."""
+        if not self._forked:  # the cell's first: what was reaped before it is not the cell's
+            self._usage = _guarded_usage()
         path = f"/proc/self/task/{threading.get_native_id()}/children"
         with open(path, "rb") as f:
             self._forked.update(int(p) for p in f.read().split())
@@ -300,8 +321,9 @@ class ChildWatch:
     def _after_fork_in_child(self) -> None:
         """A forked child starts with no children, and its files must be its own."""
         self._pid = os.getpid()
-        self._live, self._forked = {}, set()
-        self._children_fds = {}  # inherited fds name the parent's files: left to the child
+        self._live, self._roots, self._forked = {}, set(), set()
+        # inherited fds name the parent's files: left open, never read in the child
+        self._children_fds, self._ident, self._fd = {}, None, None
         self._usage = _guarded_usage()
 
 

@@ -238,7 +238,7 @@ class Meter:
         """`m` with the cell's workers (read after the clock stopped)."""
         found = self.workers = self.children.stop()
         m.workers = found.count if self.children.sees else None
-        if found is NONE:
+        if not found.count:  # none, or only children that idled through the cell
             return m
         if cuda_built() and any(not w.exited for w in found.processes):
             per_pid = nvml_process_bytes()[0]

@@ -16,11 +16,14 @@ Workers that exited before the end are seen through
 ever reaped: the cell's own largest is known exactly when it rose during the
 cell, else only as "at most" that figure.
 
-What a cell without children pays: one `getrusage` and one `pread` of this
-thread's `/proc/.../children` at the end (kept open). Where that file is
-missing (a kernel without CONFIG_PROC_CHILDREN, or no `/proc`), only forked
-children and exits are seen (psutil's listing walks every process: milliseconds,
-too slow for every cell).
+What a cell without children pays: one `pread` of this thread's
+`/proc/self/task/TID/children` at the end (kept open); `getrusage` is read only
+where the cell had children, from the cell's start or its first fork. So a
+process started without fork (subprocess, spawn) that also ends inside a cell
+without other children is not seen. Where that file is missing (a kernel without
+CONFIG_PROC_CHILDREN), only forked children are seen (psutil's listing walks
+every process: milliseconds, too slow for every cell); without /proc (macOS,
+Windows) nothing is read and the count is None.
 """
 
 from __future__ import annotations
@@ -169,7 +172,8 @@ def _usage() -> tuple[int, float, int]:
 class ChildWatch:
     """The cell's workers between `start()` and `stop()`; every read is guarded."""
 
-    sees = resource is not None  # whether exits (and so any child) can be seen at all
+    # Linux (/proc with each thread's children, and getrusage); elsewhere nothing is read
+    sees = resource is not None and os.path.isdir("/proc/self/task")
 
     def __init__(self) -> None:
         self._pid = os.getpid()
@@ -180,8 +184,9 @@ class ChildWatch:
         self._roots: set[int] = set()  # of them, our own children (the walk starts there)
         self._forked: set[int] = set()  # pids forked since the last start (or stop)
         self._usage = _guarded_usage()
-        _watches.add(self)
-        _register_fork_handler()
+        if self.sees:
+            _watches.add(self)
+            _register_fork_handler()
 
     # --- per cell -------------------------------------------------------------------------
 
@@ -210,7 +215,7 @@ class ChildWatch:
         reaped children's figures are read only where the cell had children (their
         starting point was read at the start, or at the cell's first fork)."""
         listed = self._listed()
-        if not listed and not self._live and not self._forked:
+        if not listed and not self._live and not self._forked:  # also where it cannot see
             return NONE
         before = self._usage
         usage = self._usage = _guarded_usage()

@@ -167,6 +167,7 @@ class Meter:
     def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:
         self.host = host if host is not None else host_probe()
         self.children = ChildWatch()
+        self._no_workers = 0 if self.children.sees else None  # None: not looked for
         self.workers: Workers = NONE  # the last stop's, process by process (for %%gpumem)
         self.sync = sync
         self._kinds = built_kinds()
@@ -237,9 +238,10 @@ class Meter:
     def _workers(self, m: Measurement) -> Measurement:
         """`m` with the cell's workers (read after the clock stopped)."""
         found = self.workers = self.children.stop()
-        m.workers = found.count if self.children.sees else None
-        if not found.count:  # none, or only children that idled through the cell
+        if found is NONE or not found.count:  # none, or only children idle in the cell
+            m.workers = self._no_workers
             return m
+        m.workers = found.count
         if cuda_built() and any(not w.exited for w in found.processes):
             per_pid = nvml_process_bytes()[0]
             if per_pid is not None:

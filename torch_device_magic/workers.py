@@ -214,13 +214,19 @@ class ChildWatch:
         Without known children this is one read of this thread's children file; the
         reaped children's figures are read only where the cell had children (their
         starting point was read at the start, or at the cell's first fork)."""
-        listed = self._listed()
+        if self._ident == _thread_ident() and self._fd is not None:  # the usual: inlined
+            try:
+                listed = _pread(self._fd, 4096, 0)
+            except OSError:
+                listed = b""
+        else:
+            listed = self._listed()
         if not listed and not self._live and not self._forked:  # also where it cannot see
             return NONE
         before = self._usage
         usage = self._usage = _guarded_usage()
         try:
-            return self._read(before, usage, {int(p) for p in listed} | self._roots)
+            return self._read(before, usage, {int(p) for p in listed.split()} | self._roots)
         except Exception:
             _log.debug("reading the workers failed", exc_info=True)
             self._live, self._roots, self._forked = {}, set(), set()
@@ -279,16 +285,17 @@ class ChildWatch:
                 self._roots.add(pid)
         return found
 
-    def _listed(self) -> list[bytes]:
-        """This thread's children, from the file kept open for it (none where missing)."""
+    def _listed(self) -> bytes:
+        """This thread's children ("pid pid "), from the file kept open for it (b"" where
+        it is missing)."""
         if threading.get_ident() != self._ident:
             self._open_children()
         if self._fd is None:
-            return []
+            return b""
         try:
-            return os.pread(self._fd, 4096, 0).split()
+            return os.pread(self._fd, 4096, 0)
         except OSError:
-            return []
+            return b""
 
     def _open_children(self) -> None:
         """Keep the calling thread's children file open (threads keep their own)."""
@@ -347,6 +354,8 @@ def _guarded_usage() -> tuple[int, float, int]:
         return (0, 0.0, 0)
 
 
+_thread_ident = threading.get_ident
+_pread = os.pread
 _watches: weakref.WeakSet[ChildWatch] = weakref.WeakSet()
 _fork_handler_registered = False
 

@@ -113,6 +113,29 @@ def package_at(commit: str) -> str:
     return name
 
 
+def meter_against(package: str, rounds: int, pairs: int = 500) -> tuple[float, float, float]:
+    """The Meter alone, a start and a stop with nothing between, as every cell pays it:
+    ours and `package`'s, blocks alternating; medians of the thread's CPU µs per pair,
+    and of the paired difference."""
+    import importlib
+
+    from torch_device_magic.measure import Meter
+
+    meters = {"ours": Meter(), "then": importlib.import_module(f"{package}.measure").Meter()}
+    found: dict[str, list[float]] = {"ours": [], "then": []}
+    for n in range(rounds):
+        for name in rotated(list(meters), n):
+            meter = meters[name]
+            start = time.thread_time()
+            for _ in range(pairs):
+                meter.start()
+                meter.stop()
+            found[name].append((time.thread_time() - start) / pairs * 1e6)
+    diff = [a - b for a, b in zip(found["ours"], found["then"])]
+    return (statistics.median(found["ours"]), statistics.median(found["then"]),
+            statistics.median(diff))
+
+
 def in_process(
     cells: int, rounds: int, against: str | None = None, clock=time.perf_counter
 ) -> dict[str, float]:
@@ -303,6 +326,11 @@ def main() -> None:
     if args.against:
         then = added[f"ours at {args.against}"]
         print(f"ours / ours at {args.against}: {added['ours'] / then:.3f}x")
+        ours_us, then_us, diff_us = meter_against(package_at(args.against), rounds * 5)
+        print(
+            f"the Meter alone (start + stop, the thread's CPU time): {ours_us:.2f} µs, "
+            f"at {args.against} {then_us:.2f} µs; paired difference {diff_us:+.2f} µs"
+        )
     print()
 
     if not args.no_kernel:

@@ -109,6 +109,10 @@ def package_at(commit: str) -> str:
     with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
         tar.extractall(where, filter="data")
     (where / "torch_device_magic").rename(where / name)
+    # Its reporter must know its own callbacks (hooks.is_ours names the package), or
+    # they would stay registered after its unload and run in every later block.
+    hooks = where / name / "hooks.py"
+    hooks.write_text(hooks.read_text().replace('"torch_device_magic."', f'"{name}."'))
     sys.path.insert(0, str(where))
     return name
 

@@ -4,6 +4,7 @@
     python bench/bench_report.py --quick      # fewer cells, for a smoke run
     python bench/bench_report.py --no-kernel  # without nbclient
     python bench/bench_report.py --no-kernel --against af6fdaa  # also that commit's report
+    python bench/bench_report.py --no-kernel --against HEAD --against af6fdaa  # both copies
 
 Every part runs the same one-line cell, alternating the modes with the order
 rotating, so that drift and the load of other processes hit all modes alike:
@@ -25,7 +26,11 @@ cell at a time.
   machine inflates less than the wall clock.
 - `--against COMMIT` adds, in-process, the report as it was at that commit
   (its package extracted with `git archive` under another name), so that a
-  change's cost is read against the code before it in the same run.
+  change's cost is read against the code before it in the same run. Compare
+  two such copies (`--against HEAD --against OLD`): the checkout's own package
+  ("ours") read about 1.25x a copy of the very same commit in this part, so
+  only copies compare like with like. The first commit's Meter is also timed
+  alone against ours.
 - Long run: 10,000 cells with the report on: per tenth, the whole cell's cost,
   the part spent in our two callbacks, and what the reporter holds (its bounded
   history). IPython itself keeps every cell's input and printed output, so the
@@ -141,14 +146,15 @@ def meter_against(package: str, rounds: int, pairs: int = 500) -> tuple[float, f
 
 
 def in_process(
-    cells: int, rounds: int, against: str | None = None, clock=time.perf_counter
+    cells: int, rounds: int, against: list[str], clock=time.perf_counter
 ) -> dict[str, float]:
-    """Seconds added per cell over bare IPython, per mode (and at `against`), on `clock`."""
+    """Seconds added per cell over bare IPython, per mode (and at each of `against`), on
+    `clock`."""
     ip = shell()
     modes = dict(MODES)
-    if against:
-        old = package_at(against)
-        modes[f"ours at {against}"] = ([f"%load_ext {old}"], [f"%unload_ext {old}"])
+    for commit in against:
+        old = package_at(commit)
+        modes[f"ours at {commit}"] = ([f"%load_ext {old}"], [f"%unload_ext {old}"])
 
     def run_block(mode: str, n: int) -> float:
         before, after = modes[mode]
@@ -310,7 +316,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cells (a smoke run)")
     parser.add_argument("--no-kernel", action="store_true", help="skip the nbclient part")
     parser.add_argument("--no-long-run", action="store_true", help="skip the 10,000 cells")
-    parser.add_argument("--against", metavar="COMMIT", help="in-process, also this commit's")
+    parser.add_argument(
+        "--against", metavar="COMMIT", action="append", default=[],
+        help="in-process, also this commit's (repeatable)",
+    )
     parser.add_argument(
         "--cpu", action="store_true",
         help="in-process, time the thread's CPU time, not the wall (on a busy machine)",
@@ -327,13 +336,17 @@ def main() -> None:
         {m: f"{added[m] * 1e6:.1f}" for m in added},
     )
     print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)")
+    for commit in args.against:
+        print(f"ours / ours at {commit}: {added['ours'] / added[f'ours at {commit}']:.3f}x")
+    if len(args.against) == 2:
+        first, second = (added[f"ours at {c}"] for c in args.against)
+        print(f"ours at {args.against[0]} / ours at {args.against[1]}: {first / second:.3f}x")
     if args.against:
-        then = added[f"ours at {args.against}"]
-        print(f"ours / ours at {args.against}: {added['ours'] / then:.3f}x")
-        ours_us, then_us, diff_us = meter_against(package_at(args.against), rounds * 5)
+        commit = args.against[-1]
+        ours_us, then_us, diff_us = meter_against(package_at(commit), rounds * 5)
         print(
             f"the Meter alone (start + stop, the thread's CPU time): {ours_us:.2f} µs, "
-            f"at {args.against} {then_us:.2f} µs; paired difference {diff_us:+.2f} µs"
+            f"at {commit} {then_us:.2f} µs; paired difference {diff_us:+.2f} µs"
         )
     print()
 

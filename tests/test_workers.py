@@ -9,9 +9,9 @@ whose count starts from nothing (`in_a_fresh_process`).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import subprocess
-import sys
+import time
 import traceback
 
 import pytest
@@ -157,20 +157,25 @@ def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_p
 
 def test_a_childs_children_count_too_and_an_exit_fork_did_not_start_is_seen(ip):
     ip.run_cell(
-        "import subprocess\n"
-        "tree = subprocess.Popen(['sh', '-c', 'sleep 30 & echo $!; wait'], "
-        "stdout=subprocess.PIPE)  # a child and its child\n"
-        "grandchild = int(tree.stdout.readline())"
+        "import multiprocessing, os, subprocess\n"
+        "fork = multiprocessing.get_context('fork')\n"
+        "def parent(pids):\n"
+        "    sleeper = subprocess.Popen(['sleep', '30'])  # the child's own child\n"
+        "    pids.put(sleeper.pid)\n"
+        "    sleeper.wait()\n"
+        "pids = fork.SimpleQueue()\n"
+        "tree = fork.Process(target=parent, args=(pids,))\n"
+        "tree.start()\n"
+        "grandchild = pids.get()"
     )
-    ip.run_cell("import os; os.system('true')")  # not forked by Python: seen as it exits
-    ip.run_cell("tree.kill(); tree.wait()")
-    os.kill(ip.user_ns["grandchild"], 9)
-    started, shell, killed = records(ip, 3)
+    ip.run_cell("os.system('true')")  # not forked by Python: seen as it exits
+    ip.run_cell("os.kill(grandchild, 9); tree.join()")
+    started, shell, ended = records(ip, 3)
     assert (started["workers"], started["workers_exited"]) == (2, 0)
     # The tree idles through the next cell: only the shell's exit is the cell's.
     assert (shell["workers"], shell["workers_uncounted"]) == (1, True)
     assert ", workers 1+ (exited), largest peak " in shell["line"]
-    assert (killed["workers"], killed["workers_exited"]) == (2, 2)  # sh, and its orphan
+    assert (ended["workers"], ended["workers_exited"]) == (2, 2)
 
 
 def test_a_cell_without_children_reads_zero_workers_and_says_nothing(ip):
@@ -187,8 +192,10 @@ def test_a_cell_without_children_reads_zero_workers_and_says_nothing(ip):
 # --- device memory per worker: NVML's per-process list on the fake GPU machine ----------------
 
 
-def live_child():
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+def live_child() -> multiprocessing.Process:
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()
+    return child
 
 
 @pytest.mark.parametrize("listed, shown, note", [
@@ -207,7 +214,7 @@ def test_each_workers_gpu_memory_comes_from_nvmls_process_list(monkeypatch, list
         m = meter.stop()
     finally:
         child.kill()
-        child.wait()
+        child.join()
         meter.close()
     assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, shown, note)
     (worker,) = meter.workers.processes
@@ -227,7 +234,7 @@ def test_without_nvml_the_workers_have_no_gpu_figure_and_no_note(monkeypatch):
         m = meter.stop()
     finally:
         child.kill()
-        child.wait()
+        child.join()
         meter.close()
     assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, None, None)
 

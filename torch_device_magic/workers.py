@@ -16,14 +16,17 @@ Workers that exited before the end are seen through
 ever reaped: the cell's own largest is known exactly when it rose during the
 cell, else only as "at most" that figure.
 
-What a cell without children pays: one `pread` of this thread's
-`/proc/self/task/TID/children` at the end (kept open); `getrusage` is read only
-where the cell had children, from the cell's start or its first fork. So a
-process started without fork (subprocess, spawn) that also ends inside a cell
-without other children is not seen. Where that file is missing (a kernel without
-CONFIG_PROC_CHILDREN), only forked children are seen (psutil's listing walks
-every process: milliseconds, too slow for every cell); without /proc (macOS,
-Windows) nothing is read and the count is None.
+What a cell without children pays: nothing read, only a few attribute checks.
+Children are known from their fork (`os.register_at_fork`: multiprocessing's
+fork start method, DataLoader workers, `notebook_launcher`, Jupyter's `!cmd`),
+from multiprocessing's own list of running children (spawn, forkserver), and
+from the last look; only then is this thread's `/proc/self/task/TID/children`
+read, and `getrusage`. So a process started otherwise (`subprocess.Popen`,
+`os.system`) is seen only in a cell where other children are known. Where that
+file is missing (a kernel without CONFIG_PROC_CHILDREN), forked children are
+still seen (psutil's listing walks every process: milliseconds, too slow for
+every cell); without /proc (macOS, Windows) nothing is read and the count is
+None.
 """
 
 from __future__ import annotations
@@ -211,22 +214,18 @@ class ChildWatch:
     def stop(self) -> Workers:
         """The cell's workers, as they are now (NONE, at once, for a cell without).
 
-        Without known children this is one read of this thread's children file; the
-        reaped children's figures are read only where the cell had children (their
-        starting point was read at the start, or at the cell's first fork)."""
-        if self._ident == _thread_ident() and self._fd is not None:  # the usual: inlined
-            try:
-                listed = _pread(self._fd, 4096, 0)
-            except OSError:
-                listed = b""
-        else:
-            listed = self._listed()
-        if not listed and not self._live and not self._forked:  # also where it cannot see
-            return NONE
+        Without a child known (none forked, none alive at the last look, no
+        multiprocessing child running) nothing is read. Otherwise this thread's
+        children file is read, and the reaped children's figures, whose starting
+        point was read at the start or at the cell's first fork."""
+        if not (self._live or self._forked or (self.sees and _mp_children())):
+            return NONE  # the usual: no child known, nothing read
+        listed = self._listed()
         before = self._usage
         usage = self._usage = _guarded_usage()
         try:
-            return self._read(before, usage, {int(p) for p in listed.split()} | self._roots)
+            pids = {int(p) for p in listed.split()} | self._roots | _mp_pids()
+            return self._read(before, usage, pids)
         except Exception:
             _log.debug("reading the workers failed", exc_info=True)
             self._live, self._roots, self._forked = {}, set(), set()
@@ -354,8 +353,17 @@ def _guarded_usage() -> tuple[int, float, int]:
         return (0, 0.0, 0)
 
 
-_thread_ident = threading.get_ident
-_pread = os.pread
+def _mp_children() -> Any:
+    """multiprocessing's running children (any start method), if it is imported: a
+    spawned or forkserver worker is not forked here, so only this says it is there."""
+    process = sys.modules.get("multiprocessing.process")
+    return None if process is None else getattr(process, "_children", None)
+
+
+def _mp_pids() -> set[int]:
+    return {p.pid for p in list(_mp_children() or ()) if p.pid is not None}
+
+
 _watches: weakref.WeakSet[ChildWatch] = weakref.WeakSet()
 _fork_handler_registered = False
 

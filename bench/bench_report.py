@@ -28,8 +28,8 @@ cell at a time.
   (its package extracted with `git archive` under another name), so that a
   change's cost is read against the code before it in the same run. Compare
   two such copies (`--against HEAD --against OLD`): the checkout's own package
-  ("ours") read about 1.25x a copy of the very same commit in this part, so
-  only copies compare like with like. The first commit's Meter is also timed
+  ("ours") read 0.77x to 1.27x a copy of the very same commit in this part
+  on a busy machine, so only copies compare like with like. The first commit's Meter is also timed
   alone against ours.
 - Long run: 10,000 cells with the report on: per tenth, the whole cell's cost,
   the part spent in our two callbacks, and what the reporter holds (its bounded

@@ -629,7 +629,11 @@ class TorchDeviceMagics(Magics):
         device time on the current stream (work on other streams is outside it),
         the allocator backend, host RSS change and peak, and the five largest
         tensors bound to names the cell created or rebound (the storage each
-        keeps alive). Without an accelerator in use (or with
+        keeps alive). Where the cell had child processes (DataLoader workers,
+        torch.multiprocessing, notebook_launcher), a row per worker: its pid,
+        whether it still runs, its peak RSS, its PSS at the end (shared pages
+        split between the processes sharing them) and, where NVML lists it,
+        its GPU memory. Without an accelerator in use (or with
         `--device cpu`) it says so and reports host memory only. The cell is
         not reported a second time by the per-cell line. `-o` makes the report
         the cell's output instead of its last value (as `%%timeit -o` does);

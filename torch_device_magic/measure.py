@@ -13,6 +13,7 @@ moment between start and stop.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -26,7 +27,10 @@ from .probes import (
     built_kinds,
     clock,
     devices_in_use,
+    guarded,
     host_probe,
+    malloc_free_reader,
+    rss_bytes,
 )
 from .units import fmt_bytes, fmt_seconds
 
@@ -118,6 +122,56 @@ def _changed(before: Counters, after: Counters) -> bool:
     ) or (_sub(after.peak_bytes, before.allocated_bytes) or 0) > 0
 
 
+_WALK_CHEAP_S = 50e-6  # a free-heap reading this quick is taken after any cell that needs it
+_WALK_SHARE = 0.01  # a slower one (a fragmented heap) only in cells it costs 1% of
+_QUIET_S = 1e-3  # a cell shorter than this that left RSS alone moved no memory worth a reading
+
+
+class FreeHeap:
+    """What the cell itself freed to, or took from, malloc's free lists: the host change is
+    the RSS change minus the change in the free heap, so memory that glibc hands back to
+    the system later (when it trims) is credited to the cell that freed it, not to the
+    cell it happened in.
+
+    The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
+    cell that ran for 1 ms or more or changed RSS, while a reading costs at most 50 µs or
+    1% of the cell's time; a quick cell that left RSS alone is not read. Where a reading
+    is too dear (a fragmented heap), cells get their RSS change as it is until a cell
+    long enough to afford one comes, which starts the count again.
+    """
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self._free: int | None = None  # the free heap at the last reading, if still current
+        self._cost_s = 0.0  # what the last reading took
+
+    def _walk(self) -> int:
+        t0 = clock()
+        free = self._read()
+        self._cost_s = clock() - t0
+        return free
+
+    def start(self) -> None:
+        if self._free is None and self._cost_s <= _WALK_CHEAP_S:
+            self._free = guarded(self._walk)
+
+    def correction(self, rss_delta: int, wall_s: float) -> int:
+        """What to take from `rss_delta`: the free heap's change during the cell, less what
+        reading it handed back (its consolidation can trim)."""
+        if wall_s < _QUIET_S and rss_delta == 0:
+            return 0
+        before = self._free
+        if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * wall_s):
+            self._free = None  # not read: the next reading starts the count again
+            return 0
+        rss0 = rss_bytes()
+        self._free = guarded(self._walk)
+        rss1 = rss_bytes()
+        if before is None or self._free is None or rss0 is None or rss1 is None:
+            return 0
+        return (self._free - before) - (rss1 - rss0)
+
+
 class Meter:
     """Measures one stretch of code at a time: `start()` before it, `stop()` after.
 
@@ -138,6 +192,8 @@ class Meter:
         self._before: dict[str, Counters] = {}
         self._events: dict[str, Any] = {}
         self._t0 = clock()
+        read = malloc_free_reader() if host is None else None
+        self._heap = None if read is None else FreeHeap(read)
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
@@ -152,6 +208,8 @@ class Meter:
             for accel in watched:
                 accel.start_peak()
             self._events = {a.name: a.record_event() for a in watched if a.has_context()}
+        if self._heap is not None:
+            self._heap.start()
         self.host.start()
         self._t0 = clock()
 
@@ -164,7 +222,7 @@ class Meter:
         main = active_accelerator(self._device, self._kinds)
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
-            host_delta, host_peak = self.host.stop()
+            host_delta, host_peak = self._host(wall_s)
             return Measurement(wall_s, None, None, None, None, host_delta, host_peak)
         watched = devices_in_use(main)
         ends, error = {}, None
@@ -174,7 +232,7 @@ class Meter:
                 if accel.has_context():
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
-        host_delta, host_peak = self.host.stop()
+        host_delta, host_peak = self._host(wall_s)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]
@@ -196,6 +254,15 @@ class Meter:
             other_devices=others,
             device_error=error,
         )
+
+    def _host(self, wall_s: float) -> tuple[int | None, int | None]:
+        """The host change (RSS, less what the cell left in or took from malloc's free
+        lists) and the RSS peak above the start, at least that change."""
+        delta, peak = self.host.stop()
+        if self._heap is None or delta is None:
+            return delta, peak
+        delta -= self._heap.correction(delta, wall_s)
+        return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:
         self.host.close()

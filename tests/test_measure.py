@@ -185,3 +185,45 @@ def test_a_broken_accelerator_reads_none_and_never_raises(monkeypatch):
     assert m.device_reserved_delta_bytes is None
     assert m.host_peak_bytes is not None
     assert "cuda:0 n/a (peak n/a)" in str(m)
+
+
+class Heap:
+    """A free heap read through a fake clock: each reading takes `cost_s`."""
+
+    def __init__(self, monkeypatch, cost_s: float) -> None:
+        self.now, self.free, self.cost_s, self.reads = 0.0, 0, cost_s, 0
+        monkeypatch.setattr(measure, "clock", lambda: self.now)
+        monkeypatch.setattr(measure, "rss_bytes", lambda: 0)
+
+    def __call__(self) -> int:
+        self.reads += 1
+        self.now += self.cost_s
+        return self.free
+
+
+def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypatch):
+    heap = Heap(monkeypatch, cost_s=1e-6)
+    free = measure.FreeHeap(heap)
+    free.start()
+    heap.free += 280 * 2**20  # the cell freed 280 MiB, RSS fell by 15
+    assert free.correction(-15 * 2**20, wall_s=0.3) == 280 * 2**20
+    free.start()
+    heap.free -= 265 * 2**20  # glibc trims what an earlier cell freed: RSS falls as much
+    assert free.correction(-265 * 2**20, wall_s=1e-4) == -265 * 2**20  # so the cell reads 0
+    reads = heap.reads
+    free.start()
+    assert free.correction(0, wall_s=1e-4) == 0 and heap.reads == reads  # a quick, still cell
+
+
+def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
+    heap = Heap(monkeypatch, cost_s=0.03)  # a fragmented heap: 30 ms a reading
+    free = measure.FreeHeap(heap)
+    free.start()  # the first reading: its cost is not known yet
+    heap.free += 2**20
+    assert free.correction(-2**20, wall_s=0.5) == 0 and heap.reads == 1  # 6% of this cell
+    free.start()
+    assert heap.reads == 1  # not read at the start either
+    assert free.correction(-2**20, wall_s=5.0) == 0 and heap.reads == 2  # a count starts again
+    free.start()
+    heap.free += 2**20
+    assert free.correction(0, wall_s=3.0) == 2**20  # counted from there

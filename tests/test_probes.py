@@ -268,3 +268,12 @@ def test_the_default_device_reads_on_torch_2_1_and_2_2_too(monkeypatch):
     assert probes.torch_default_device() == torch.device("meta")
     monkeypatch.setattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
     assert probes.torch_default_device() is None
+
+
+@pytest.mark.skipif(probes.malloc_free_reader() is None, reason="needs glibc 2.33+ (mallinfo2)")
+def test_the_free_heap_grows_by_what_small_tensors_leave_there():
+    read = probes.malloc_free_reader()
+    kept = [torch.randn(256) for _ in range(50_000)]  # about 50 MiB of heap chunks
+    before = read()
+    del kept
+    assert read() - before > 40 * MiB  # freed to the heap, whatever RSS says

@@ -3,6 +3,7 @@
     python bench/bench_report.py              # all three; a few minutes
     python bench/bench_report.py --quick      # fewer cells, for a smoke run
     python bench/bench_report.py --no-kernel  # without nbclient
+    python bench/bench_report.py --no-kernel --against af6fdaa  # also that commit's report
 
 Every part runs the same one-line cell, alternating the modes with the order
 rotating, so that drift and the load of other processes hit all modes alike:
@@ -247,11 +248,34 @@ def show(title: str, column: str, figures: dict[str, str]) -> None:
         print(f"{mode:<18} {figure:>18}")
 
 
+def against(commit: str) -> str:
+    """Add a mode running `commit`'s package, extracted as `tdm_against` (same cells, same
+    process, in turn with the others); returns the mode's name."""
+    import subprocess
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="tdm-against-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "torch_device_magic"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    package = where / "tdm_against"
+    (where / "torch_device_magic").rename(package)
+    for source in package.glob("*.py"):  # how it tells its own callbacks (hooks.is_ours)
+        source.write_text(source.read_text().replace('"torch_device_magic.', '"tdm_against.'))
+    sys.path.insert(0, str(where))
+    mode = f"ours at {commit}"
+    MODES[mode] = (["%load_ext tdm_against"], ["%unload_ext tdm_against"])
+    return mode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cells (a smoke run)")
     parser.add_argument("--no-kernel", action="store_true", help="skip the nbclient part")
+    parser.add_argument("--against", metavar="COMMIT",
+                        help="in-process, also time that commit's report in the same rounds")
     args = parser.parse_args()
+    base = None if args.against is None else against(args.against)
 
     cells, rounds = (100, 8) if args.quick else (100, 60)
     added = in_process(cells, rounds)
@@ -260,7 +284,10 @@ def main() -> None:
         "µs added per cell",
         {m: f"{added[m] * 1e6:.1f}" for m in MODES},
     )
-    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)\n")
+    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)")
+    if base is not None:
+        print(f"ours / {base}: {added['ours'] / added[base]:.3f}x")
+    print()
 
     if not args.no_kernel:
         cells = 100 if args.quick else 1500

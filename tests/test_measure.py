@@ -193,12 +193,11 @@ class Heap:
     def __init__(self, monkeypatch, cost_s: float) -> None:
         self.now, self.free, self.cost_s, self.reads = 0.0, 0, cost_s, 0
         monkeypatch.setattr(measure, "clock", lambda: self.now)
-        monkeypatch.setattr(measure, "rss_bytes", lambda: 0)
 
-    def __call__(self) -> int:
+    def __call__(self) -> tuple[int, int]:
         self.reads += 1
         self.now += self.cost_s
-        return self.free
+        return self.free, 0
 
 
 def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypatch):

@@ -30,7 +30,6 @@ from .probes import (
     guarded,
     host_probe,
     malloc_free_reader,
-    rss_bytes,
 )
 from .units import fmt_bytes, fmt_seconds
 
@@ -124,7 +123,8 @@ def _changed(before: Counters, after: Counters) -> bool:
 
 _WALK_CHEAP_S = 50e-6  # a free-heap reading this quick is taken after any cell that needs it
 _WALK_SHARE = 0.01  # a slower one (a fragmented heap) only in cells it costs 1% of
-_QUIET_S = 1e-3  # a cell shorter than this that left RSS alone moved no memory worth a reading
+_QUIET_S = 1e-3  # a cell shorter than this, whose RSS moved less than _STILL_BYTES, is not read
+_STILL_BYTES = 256 * 1024  # (such a cell can free or take little: the next reading counts it)
 
 
 class FreeHeap:
@@ -134,42 +134,43 @@ class FreeHeap:
     cell it happened in.
 
     The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
-    cell that ran for 1 ms or more or changed RSS, while a reading costs at most 50 µs or
-    1% of the cell's time; a quick cell that left RSS alone is not read. Where a reading
+    cell that ran for 1 ms or more or moved RSS by 256 KiB or more, while a reading costs
+    at most 50 µs or 1% of the cell's time; a quick cell that left RSS nearly alone is
+    not read (what it did is counted at the next reading). Where a reading
     is too dear (a fragmented heap), cells get their RSS change as it is until a cell
     long enough to afford one comes, which starts the count again.
     """
 
-    def __init__(self, read: Callable[[], int]) -> None:
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
         self._read = read
         self._free: int | None = None  # the free heap at the last reading, if still current
         self._cost_s = 0.0  # what the last reading took
 
-    def _walk(self) -> int:
+    def _walk(self) -> tuple[int, int]:
         t0 = clock()
-        free = self._read()
+        found = self._read()
         self._cost_s = clock() - t0
-        return free
+        return found
 
     def start(self) -> None:
         if self._free is None and self._cost_s <= _WALK_CHEAP_S:
-            self._free = guarded(self._walk)
+            found = guarded(self._walk)
+            self._free = None if found is None else found[0]
 
     def correction(self, rss_delta: int, wall_s: float) -> int:
         """What to take from `rss_delta`: the free heap's change during the cell, less what
         reading it handed back (its consolidation can trim)."""
-        if wall_s < _QUIET_S and rss_delta == 0:
+        if wall_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES:
             return 0
-        before = self._free
+        before, self._free = self._free, None
         if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * wall_s):
-            self._free = None  # not read: the next reading starts the count again
+            return 0  # not read: the next reading starts the count again
+        found = guarded(self._walk)
+        if found is None:
             return 0
-        rss0 = rss_bytes()
-        self._free = guarded(self._walk)
-        rss1 = rss_bytes()
-        if before is None or self._free is None or rss0 is None or rss1 is None:
-            return 0
-        return (self._free - before) - (rss1 - rss0)
+        self._free, trimmed = found
+        # What the reading trimmed left the free heap and RSS after RSS was read.
+        return 0 if before is None else self._free - before + trimmed
 
 
 class Meter:

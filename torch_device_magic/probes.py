@@ -226,20 +226,22 @@ def rss_and_high_water() -> tuple[int, int] | None:
         return None
 
 
-def malloc_free_reader() -> Callable[[], int] | None:
+def malloc_free_reader() -> Callable[[], tuple[int, int]] | None:
     """A function giving the bytes glibc's malloc holds free in every arena (resident or
-    not), `mallinfo2().fordblks`; None without glibc 2.33+ (macOS, musl, Windows).
+    not), `mallinfo2().fordblks`, and what the reading itself handed back to the system;
+    None without glibc 2.33+ (macOS, musl, Windows).
 
     It walks every free chunk: about 1 µs on a compact heap, tens of milliseconds with
     hundreds of thousands of free chunks (the caller decides when it can afford it). A
     4 KiB malloc and free first consolidate the fast bins, as glibc's next large malloc
-    would: after a mass free that turns ~680,000 chunks into a few dozen.
+    would: after a mass free that turns ~680,000 chunks into a few dozen. That free can
+    trim the heap's top, which the program break (`sbrk(0)`, no system call) shows.
     """
     try:
         import ctypes
 
         libc = ctypes.CDLL(None)
-        mallinfo2, malloc, free = libc.mallinfo2, libc.malloc, libc.free
+        mallinfo2, malloc, free, sbrk = libc.mallinfo2, libc.malloc, libc.free, libc.sbrk
     except (OSError, AttributeError):
         return None
     size_t = ctypes.c_size_t
@@ -252,10 +254,13 @@ def malloc_free_reader() -> Callable[[], int] | None:
     mallinfo2.restype = MallInfo2
     malloc.restype, malloc.argtypes = ctypes.c_void_p, [size_t]
     free.restype, free.argtypes = None, [ctypes.c_void_p]
+    sbrk.restype, sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
 
-    def read() -> int:
+    def read() -> tuple[int, int]:
+        top = sbrk(0) or 0
         free(malloc(4096))
-        return int(mallinfo2().fordblks)
+        trimmed = top - (sbrk(0) or 0)
+        return int(mallinfo2().fordblks), max(0, trimmed)
 
     return read
 

@@ -204,6 +204,7 @@ def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypa
     heap = Heap(monkeypatch, cost_s=1e-6)
     free = measure.FreeHeap(heap)
     free.start()
+    assert free.free_bytes == 0
     heap.free += 280 * 2**20  # the cell freed 280 MiB, RSS fell by 15
     assert free.correction(-15 * 2**20, wall_s=0.3) == 280 * 2**20
     free.start()
@@ -220,6 +221,7 @@ def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
     free.start()  # the first reading: its cost is not known yet
     heap.free += 2**20
     assert free.correction(-2**20, wall_s=0.5) == 0 and heap.reads == 1  # 6% of this cell
+    assert free.free_bytes is None
     free.start()
     assert heap.reads == 1  # not read at the start either
     assert free.correction(-2**20, wall_s=5.0) == 0 and heap.reads == 2  # a count starts again

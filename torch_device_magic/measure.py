@@ -123,7 +123,7 @@ def _changed(before: Counters, after: Counters) -> bool:
 
 _WALK_CHEAP_S = 50e-6  # a free-heap reading this quick is taken after any cell that needs it
 _WALK_SHARE = 0.01  # a slower one (a fragmented heap) only in cells it costs 1% of
-_QUIET_S = 1e-3  # a cell shorter than this, whose RSS moved less than _STILL_BYTES, is not read
+_QUIET_S = 5e-3  # a cell shorter than this, whose RSS moved less than _STILL_BYTES, is not read
 _STILL_BYTES = 256 * 1024  # (such a cell can free or take little: the next reading counts it)
 
 
@@ -134,16 +134,16 @@ class FreeHeap:
     cell it happened in.
 
     The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
-    cell that ran for 1 ms or more or moved RSS by 256 KiB or more, while a reading costs
+    cell that ran for 5 ms or more or moved RSS by 256 KiB or more, while a reading costs
     at most 50 µs or 1% of the cell's time; a quick cell that left RSS nearly alone is
-    not read (what it did is counted at the next reading). Where a reading
-    is too dear (a fragmented heap), cells get their RSS change as it is until a cell
-    long enough to afford one comes, which starts the count again.
+    not read (what it did is counted at the next reading). Where a reading is too dear
+    (a fragmented heap), cells get their RSS change as it is until a cell long enough
+    to afford one comes, which starts the count again.
     """
 
     def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
         self._read = read
-        self._free: int | None = None  # the free heap at the last reading, if still current
+        self.free_bytes: int | None = None  # at the last reading, if that is still current
         self._cost_s = 0.0  # what the last reading took
 
     def _walk(self) -> tuple[int, int]:
@@ -153,24 +153,30 @@ class FreeHeap:
         return found
 
     def start(self) -> None:
-        if self._free is None and self._cost_s <= _WALK_CHEAP_S:
+        """Read the free heap before a cell, where no reading is current and one is cheap."""
+        if self.free_bytes is None and self._cost_s <= _WALK_CHEAP_S:
             found = guarded(self._walk)
-            self._free = None if found is None else found[0]
+            self.free_bytes = None if found is None else found[0]
 
     def correction(self, rss_delta: int, wall_s: float) -> int:
         """What to take from `rss_delta`: the free heap's change during the cell, less what
         reading it handed back (its consolidation can trim)."""
-        if wall_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES:
+        if quiet(rss_delta, wall_s):
             return 0
-        before, self._free = self._free, None
+        before, self.free_bytes = self.free_bytes, None
         if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * wall_s):
             return 0  # not read: the next reading starts the count again
         found = guarded(self._walk)
         if found is None:
             return 0
-        self._free, trimmed = found
+        self.free_bytes, trimmed = found
         # What the reading trimmed left the free heap and RSS after RSS was read.
-        return 0 if before is None else self._free - before + trimmed
+        return 0 if before is None else self.free_bytes - before + trimmed
+
+
+def quiet(rss_delta: int, wall_s: float) -> bool:
+    """A cell too short, with RSS too still, to be worth reading the free heap after."""
+    return wall_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES
 
 
 class Meter:
@@ -209,7 +215,7 @@ class Meter:
             for accel in watched:
                 accel.start_peak()
             self._events = {a.name: a.record_event() for a in watched if a.has_context()}
-        if self._heap is not None:
+        if self._heap is not None and self._heap.free_bytes is None:
             self._heap.start()
         self.host.start()
         self._t0 = clock()
@@ -260,7 +266,7 @@ class Meter:
         """The host change (RSS, less what the cell left in or took from malloc's free
         lists) and the RSS peak above the start, at least that change."""
         delta, peak = self.host.stop()
-        if self._heap is None or delta is None:
+        if self._heap is None or delta is None or quiet(delta, wall_s):
             return delta, peak
         delta -= self._heap.correction(delta, wall_s)
         return delta, None if peak is None else max(peak, delta)

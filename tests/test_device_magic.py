@@ -54,8 +54,10 @@ def device_notes(ip, capsys) -> list[str]:
     return [line.strip() for line in capsys.readouterr().out.splitlines()]
 
 
-def test_device_names_the_cell_that_initialised_cuda(ip, monkeypatch, capsys):
-    machine = FakeMachine([Gpu()]).install(monkeypatch)
+def test_device_names_the_cell_that_initialised_cuda(shell, monkeypatch, capsys):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)  # a CUDA build: read at loading
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    ip = shell
     ip.user_ns["machine"] = machine
     ip.run_cell("x = torch.ones(2)", store_history=True)  # CUDA stays down
     assert not any("CUDA" in line for line in device_notes(ip, capsys))

@@ -194,10 +194,12 @@ def test_a_launcher_refusing_a_kernel_with_cuda_up_names_the_cell(error):
     assert len(hint(error, {}, "", None).splitlines()) == 2  # where no cell was noted
 
 
-def test_the_launcher_hint_reaches_the_cell_from_the_shell(ip, monkeypatch, capsys):
+def test_the_launcher_hint_reaches_the_cell_from_the_shell(shell, monkeypatch, capsys):
     from fakegpu import FakeMachine, Gpu
 
-    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine = FakeMachine([Gpu()]).install(monkeypatch)  # a CUDA build: read at loading
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    ip = shell
     ip.user_ns.update(machine=machine, error=LAUNCHERS["Lightning ddp_notebook"])
     cell = ip.execution_count
     ip.run_cell("model = 1\nmachine.start_cuda()", store_history=True)

@@ -42,13 +42,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from IPython.core.displaypub import DisplayPublisher
 
 from .cells import first_code_line, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
-from .probes import clock, rss_and_high_water, runtime_up
+from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds
 
 HISTORY_SIZE = 1000
@@ -89,6 +90,7 @@ class CellReporter:
         self._fault: str | None = None  # the line to show instead of the measurement
         self._hint: Callable[[BaseException, str], str | None] | None = None
         self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
+        self._watch_cuda = False  # ask after each cell: a CUDA build, and CUDA not up yet
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
 
     @property
@@ -153,6 +155,7 @@ class CellReporter:
                 ip.events.register(event, mine)
         if wanted["post_run_cell"] and self.cuda_start is None and runtime_up("cuda"):
             self.cuda_start = CudaStart(None)  # up before we watched: which cell is unknown
+        self._watch_cuda = self.cuda_start is None and cuda_built()  # read once, not per cell
 
     def status(self) -> str:
         """On or off, the thresholds, synchronisation, the history's size; when on, what
@@ -211,7 +214,7 @@ class CellReporter:
             del cells[at:]  # and any inner cell left open
         outermost = at == 0
         loading, self._loading = self._loading, None
-        if not cells and self.cuda_start is None and info is not None:
+        if self._watch_cuda and not cells and info is not None:
             self._note_cuda(result)  # before the hint, which names that cell
         measured = None
         if outermost:
@@ -242,9 +245,10 @@ class CellReporter:
     def _note_cuda(self, result: Any) -> None:
         """Note the cell after which CUDA is up: one cheap question a cell until then
         (`torch.cuda.is_initialized()`, never asked on a CPU build), none after."""
-        if runtime_up("cuda"):
+        if torch.cuda.is_initialized():
             raw = getattr(result.info, "raw_cell", "")
             self.cuda_start = CudaStart(result.execution_count, first_code_line(raw))
+            self._watch_cuda = False
 
     def _report_loading(self, loading: tuple[float, int | None, int | None], result: Any) -> None:
         """The line of the cell that loaded us: from the start of loading to now."""

@@ -184,7 +184,8 @@ class CellReporter:
 
     def pre_run_cell(self, info: object) -> None:
         self._loading = None  # a cell of its own: we were loaded outside a cell
-        if only_comments(getattr(info, "raw_cell", "")):
+        first = getattr(info, "raw_cell", "")[:1]
+        if (first == "#" or first.isspace()) and only_comments(info.raw_cell):  # type: ignore[attr-defined]
             return  # it runs nothing: no line, as for a blank cell
         self._open.append(info)
         if len(self._open) > 1:
@@ -213,7 +214,9 @@ class CellReporter:
         if at is not None:
             del cells[at:]  # and any inner cell left open
         outermost = at == 0
-        loading, self._loading = self._loading, None
+        loading = self._loading
+        if loading is not None:
+            self._loading = None
         if self._watch_cuda and not cells and info is not None:
             self._note_cuda(result)  # before the hint, which names that cell
         measured = None

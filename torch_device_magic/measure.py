@@ -161,8 +161,6 @@ class FreeHeap:
     def correction(self, rss_delta: int, wall_s: float) -> int:
         """What to take from `rss_delta`: the free heap's change during the cell, less what
         reading it handed back (its consolidation can trim)."""
-        if quiet(rss_delta, wall_s):
-            return 0
         before, self.free_bytes = self.free_bytes, None
         if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * wall_s):
             return 0  # not read: the next reading starts the count again
@@ -174,9 +172,10 @@ class FreeHeap:
         return 0 if before is None else self.free_bytes - before + trimmed
 
 
-def quiet(rss_delta: int, wall_s: float) -> bool:
-    """A cell too short, with RSS too still, to be worth reading the free heap after."""
-    return wall_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES
+def quiet(rss_delta: int | None, wall_s: float) -> bool:
+    """A cell too short, with RSS too still, to be worth reading the free heap after (or
+    one whose RSS could not be read)."""
+    return rss_delta is None or (wall_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES)
 
 
 class Meter:
@@ -229,7 +228,9 @@ class Meter:
         main = active_accelerator(self._device, self._kinds)
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
-            host_delta, host_peak = self._host(wall_s)
+            host_delta, host_peak = self.host.stop()
+            if self._heap is not None and not quiet(host_delta, wall_s):
+                host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
             return Measurement(wall_s, None, None, None, None, host_delta, host_peak)
         watched = devices_in_use(main)
         ends, error = {}, None
@@ -239,7 +240,9 @@ class Meter:
                 if accel.has_context():
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
-        host_delta, host_peak = self._host(wall_s)
+        host_delta, host_peak = self.host.stop()
+        if self._heap is not None and not quiet(host_delta, wall_s):
+            host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]
@@ -262,11 +265,12 @@ class Meter:
             device_error=error,
         )
 
-    def _host(self, wall_s: float) -> tuple[int | None, int | None]:
-        """The host change (RSS, less what the cell left in or took from malloc's free
-        lists) and the RSS peak above the start, at least that change."""
-        delta, peak = self.host.stop()
-        if self._heap is None or delta is None or quiet(delta, wall_s):
+    def _credit(
+        self, delta: int | None, peak: int | None, wall_s: float
+    ) -> tuple[int | None, int | None]:
+        """The host change as the cell made it (RSS, less what it left in or took from
+        malloc's free lists), and the RSS peak above the start, at least that change."""
+        if self._heap is None or delta is None:
             return delta, peak
         delta -= self._heap.correction(delta, wall_s)
         return delta, None if peak is None else max(peak, delta)

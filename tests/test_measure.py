@@ -206,13 +206,13 @@ def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypa
     free.start()
     assert free.free_bytes == 0
     heap.free += 280 * 2**20  # the cell freed 280 MiB, RSS fell by 15
-    assert free.correction(-15 * 2**20, wall_s=0.3) == 280 * 2**20
+    assert free.correction(-15 * 2**20, busy_s=0.3) == 280 * 2**20
     free.start()
     heap.free -= 265 * 2**20  # glibc trims what an earlier cell freed: RSS falls as much
-    assert free.correction(-265 * 2**20, wall_s=1e-4) == -265 * 2**20  # so the cell reads 0
+    assert free.correction(-265 * 2**20, busy_s=1e-4) == -265 * 2**20  # so the cell reads 0
     # A quick cell that left RSS nearly alone is not read at all (the Meter asks this).
-    assert measure.quiet(100 * 1024, wall_s=1e-4)
-    assert not measure.quiet(-2**20, wall_s=1e-4) and not measure.quiet(0, wall_s=0.01)
+    assert measure.quiet(100 * 1024, busy_s=1e-4)
+    assert not measure.quiet(-2**20, busy_s=1e-4) and not measure.quiet(0, busy_s=0.01)
 
 
 def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
@@ -220,11 +220,11 @@ def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
     free = measure.FreeHeap(heap)
     free.start()  # the first reading: its cost is not known yet
     heap.free += 2**20
-    assert free.correction(-2**20, wall_s=0.5) == 0 and heap.reads == 1  # 6% of this cell
+    assert free.correction(-2**20, busy_s=0.5) == 0 and heap.reads == 1  # 6% of this cell
     assert free.free_bytes is None
     free.start()
     assert heap.reads == 1  # not read at the start either
-    assert free.correction(-2**20, wall_s=5.0) == 0 and heap.reads == 2  # a count starts again
+    assert free.correction(-2**20, busy_s=5.0) == 0 and heap.reads == 2  # a count starts again
     free.start()
     heap.free += 2**20
-    assert free.correction(0, wall_s=3.0) == 2**20  # counted from there
+    assert free.correction(0, busy_s=3.0) == 2**20  # counted from there

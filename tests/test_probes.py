@@ -134,7 +134,7 @@ def proc_reading_with_maxrss(monkeypatch, maxrss_bytes: int, kept_bytes: int):
         probe = ProcHighWater()
     except OSError:
         pytest.skip("/proc refuses the reset here")
-    usage = types.SimpleNamespace(ru_maxrss=maxrss_bytes // 1024)
+    usage = types.SimpleNamespace(ru_maxrss=maxrss_bytes // 1024, ru_utime=0.0, ru_stime=0.0)
     monkeypatch.setattr(probes.resource, "getrusage", lambda who: usage)
     probe.start()
     kept = allocate(kept_bytes)

@@ -123,7 +123,7 @@ def _changed(before: Counters, after: Counters) -> bool:
 
 _WALK_CHEAP_S = 50e-6  # a free-heap reading this quick is taken after any cell that needs it
 _WALK_SHARE = 0.01  # a slower one (a fragmented heap) only in cells it costs 1% of
-_QUIET_S = 5e-3  # a cell shorter than this, whose RSS moved less than _STILL_BYTES, is not read
+_QUIET_S = 5e-3  # a cell busy for less than this, RSS moved less than _STILL_BYTES: not read
 _STILL_BYTES = 256 * 1024  # (such a cell can free or take little: the next reading counts it)
 
 
@@ -134,9 +134,11 @@ class FreeHeap:
     cell it happened in.
 
     The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
-    cell that ran for 5 ms or more or moved RSS by 256 KiB or more, while a reading costs
-    at most 50 µs or 1% of the cell's time; a quick cell that left RSS nearly alone is
-    not read (what it did is counted at the next reading). Where a reading is too dear
+    cell that kept the process busy for 5 ms or more (CPU time, as getrusage read it for
+    the peak, since the last cell; the wall time where there is none: a cell waiting for
+    a loaded machine's CPU did no work) or moved RSS by 256 KiB or more, while a reading
+    costs at most 50 µs or 1% of that time; a quick cell that left RSS nearly alone is not
+    read (what it did is counted at the next reading). Where a reading is too dear
     (a fragmented heap), cells get their RSS change as it is until a cell long enough
     to afford one comes, which starts the count again.
     """
@@ -158,11 +160,11 @@ class FreeHeap:
             found = guarded(self._walk)
             self.free_bytes = None if found is None else found[0]
 
-    def correction(self, rss_delta: int, wall_s: float) -> int:
+    def correction(self, rss_delta: int, busy_s: float) -> int:
         """What to take from `rss_delta`: the free heap's change during the cell, less what
         reading it handed back (its consolidation can trim)."""
         before, self.free_bytes = self.free_bytes, None
-        if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * wall_s):
+        if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * busy_s):
             return 0  # not read: the next reading starts the count again
         found = guarded(self._walk)
         if found is None:
@@ -172,10 +174,10 @@ class FreeHeap:
         return 0 if before is None else self.free_bytes - before + trimmed
 
 
-def quiet(rss_delta: int | None, wall_s: float) -> bool:
+def quiet(rss_delta: int | None, busy_s: float) -> bool:
     """A cell too short, with RSS too still, to be worth reading the free heap after (or
     one whose RSS could not be read)."""
-    return rss_delta is None or (wall_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES)
+    return rss_delta is None or (busy_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES)
 
 
 class Meter:
@@ -200,6 +202,7 @@ class Meter:
         self._t0 = clock()
         read = malloc_free_reader() if host is None else None
         self._heap = None if read is None else FreeHeap(read)
+        self._cpu_s: float | None = None  # the host probe's CPU time at the last stop
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
@@ -229,8 +232,8 @@ class Meter:
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
             host_delta, host_peak = self.host.stop()
-            if self._heap is not None and not quiet(host_delta, wall_s):
-                host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
+            if self._heap is not None and not quiet(host_delta, busy := self._busy_s(wall_s)):
+                host_delta, host_peak = self._credit(host_delta, host_peak, busy)
             return Measurement(wall_s, None, None, None, None, host_delta, host_peak)
         watched = devices_in_use(main)
         ends, error = {}, None
@@ -241,8 +244,8 @@ class Meter:
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
         host_delta, host_peak = self.host.stop()
-        if self._heap is not None and not quiet(host_delta, wall_s):
-            host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
+        if self._heap is not None and not quiet(host_delta, busy := self._busy_s(wall_s)):
+            host_delta, host_peak = self._credit(host_delta, host_peak, busy)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]
@@ -265,14 +268,21 @@ class Meter:
             device_error=error,
         )
 
+    def _busy_s(self, wall_s: float) -> float:
+        """The CPU time the process spent since the last stop, as the host probe read it
+        (getrusage, for the peak); `wall_s` where it reads none."""
+        cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
+        self._cpu_s = cpu
+        return wall_s if cpu is None or before is None else cpu - before
+
     def _credit(
-        self, delta: int | None, peak: int | None, wall_s: float
+        self, delta: int | None, peak: int | None, busy_s: float
     ) -> tuple[int | None, int | None]:
         """The host change as the cell made it (RSS, less what it left in or took from
         malloc's free lists), and the RSS peak above the start, at least that change."""
         if self._heap is None or delta is None:
             return delta, peak
-        delta -= self._heap.correction(delta, wall_s)
+        delta -= self._heap.correction(delta, busy_s)
         return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:

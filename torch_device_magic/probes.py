@@ -94,6 +94,7 @@ class ProcHighWater:
         self._statm = self._open(f"{proc}/statm", os.O_RDONLY)
         self._status = self._open(f"{proc}/status", os.O_RDONLY)
         self._rss0: int | None = None
+        self.cpu_s: float | None = None  # the process's CPU time at the last stop (getrusage's)
         self.start()  # fails here, not in a user's cell, where the kernel refuses the reset
         if self.stop() == (None, None):
             self.close()
@@ -123,7 +124,9 @@ class ProcHighWater:
         if rss0 is None:
             return None, None
         try:
-            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            self.cpu_s = usage.ru_utime + usage.ru_stime
+            hwm = usage.ru_maxrss * 1024  # KiB on Linux
             rss = self._rss()
             if hwm > rss0 + _SLACK:  # a real peak, or a stale mark: VmHWM tells them apart
                 status = os.pread(self._status, 4096, 0)

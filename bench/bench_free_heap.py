@@ -99,7 +99,7 @@ def main() -> None:
     cells = 200 if args.quick else 2000
     gc.disable()
     print(f"{'heap':<11} {'free chunks':>11} {'mallinfo2':>10} {'malloc_trim':>11} "
-          f"{'quick cell: ours / without':>27} {"6 ms cell: ours / without":>26}")
+          f"{'quick cell: ours / without':>27} {'6 ms cell: ours / without':>26}")
     for state in ("compact", "just freed", "fragmented"):
         kept = heap(state)
         info = LIBC.mallinfo2()

@@ -203,6 +203,7 @@ class Meter:
         read = malloc_free_reader() if host is None else None
         self._heap = None if read is None else FreeHeap(read)
         self._cpu_s: float | None = None  # the host probe's CPU time at the last stop
+        self._busy = 0.0  # the CPU time of the cell that just stopped (see `_quiet`)
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
@@ -232,8 +233,8 @@ class Meter:
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
             host_delta, host_peak = self.host.stop()
-            if self._heap is not None and not quiet(host_delta, busy := self._busy_s(wall_s)):
-                host_delta, host_peak = self._credit(host_delta, host_peak, busy)
+            if self._heap is not None and not self._quiet(host_delta, wall_s):
+                host_delta, host_peak = self._credit(host_delta, host_peak)
             return Measurement(wall_s, None, None, None, None, host_delta, host_peak)
         watched = devices_in_use(main)
         ends, error = {}, None
@@ -244,8 +245,8 @@ class Meter:
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
         host_delta, host_peak = self.host.stop()
-        if self._heap is not None and not quiet(host_delta, busy := self._busy_s(wall_s)):
-            host_delta, host_peak = self._credit(host_delta, host_peak, busy)
+        if self._heap is not None and not self._quiet(host_delta, wall_s):
+            host_delta, host_peak = self._credit(host_delta, host_peak)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]
@@ -268,21 +269,21 @@ class Meter:
             device_error=error,
         )
 
-    def _busy_s(self, wall_s: float) -> float:
-        """The CPU time the process spent since the last stop, as the host probe read it
-        (getrusage, for the peak); `wall_s` where it reads none."""
+    def _quiet(self, delta: int | None, wall_s: float) -> bool:
+        """Whether the cell was too quick and still for a free-heap reading (`quiet`), by
+        the CPU time the process spent since the last stop, as the host probe read it
+        (getrusage, for the peak), or `wall_s` where it reads none."""
         cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
         self._cpu_s = cpu
-        return wall_s if cpu is None or before is None else cpu - before
+        self._busy = wall_s if cpu is None or before is None else cpu - before
+        return quiet(delta, self._busy)
 
-    def _credit(
-        self, delta: int | None, peak: int | None, busy_s: float
-    ) -> tuple[int | None, int | None]:
+    def _credit(self, delta: int | None, peak: int | None) -> tuple[int | None, int | None]:
         """The host change as the cell made it (RSS, less what it left in or took from
         malloc's free lists), and the RSS peak above the start, at least that change."""
         if self._heap is None or delta is None:
             return delta, peak
-        delta -= self._heap.correction(delta, busy_s)
+        delta -= self._heap.correction(delta, self._busy)
         return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:

@@ -210,6 +210,8 @@ def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypa
     free.start()
     heap.free -= 265 * 2**20  # glibc trims what an earlier cell freed: RSS falls as much
     assert free.correction(-265 * 2**20, busy_s=1e-4) == -265 * 2**20  # so the cell reads 0
+    heap.free -= 256 * 2**20  # a tensor made of free chunks that malloc_trim had released
+    assert free.correction(256 * 2**20, busy_s=0.05) == 0  # RSS grew: it says the cost
     # A quick cell that left RSS nearly alone is not read at all (the Meter asks this).
     assert measure.quiet(100 * 1024, busy_s=1e-4)
     assert not measure.quiet(-2**20, busy_s=1e-4) and not measure.quiet(0, busy_s=0.01)

@@ -128,10 +128,10 @@ _STILL_BYTES = 256 * 1024  # (such a cell can free or take little: the next read
 
 
 class FreeHeap:
-    """What the cell itself freed to, or took from, malloc's free lists: the host change is
-    the RSS change minus the change in the free heap, so memory that glibc hands back to
-    the system later (when it trims) is credited to the cell that freed it, not to the
-    cell it happened in.
+    """What the cell itself freed to malloc's free lists: the host change is the RSS change
+    less what the free heap grew by, and a fall in RSS that only the free heap shrinking
+    explains (glibc trimmed what an earlier cell freed) counts for nothing: memory freed
+    is credited to the cell that freed it, not to the cell glibc gave it back in.
 
     The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
     cell that kept the process busy for 5 ms or more (CPU time, as getrusage read it for
@@ -170,8 +170,17 @@ class FreeHeap:
         if found is None:
             return 0
         self.free_bytes, trimmed = found
+        if before is None:
+            return 0
         # What the reading trimmed left the free heap and RSS after RSS was read.
-        return 0 if before is None else self.free_bytes - before + trimmed
+        change = self.free_bytes - before + trimmed
+        if change > 0:  # the cell freed to the heap: it gave that up, whatever RSS says
+            return change
+        # A heap that shrank and RSS that fell: the allocator gave back what it held free.
+        # One that shrank while RSS did not fall is memory the cell took from the free
+        # lists: RSS says what that cost (nothing where the pages were still resident,
+        # everything where malloc_trim or swap had released them), so it stands.
+        return max(change, rss_delta) if rss_delta < 0 else 0
 
 
 def quiet(rss_delta: int | None, busy_s: float) -> bool:

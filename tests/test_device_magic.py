@@ -46,3 +46,46 @@ def test_leaving_cuda_n_puts_back_the_current_device_it_replaced(ip, monkeypatch
         ip.run_line_magic("device", then)
     machine.start_cuda()
     assert machine.current == 0
+
+
+def device_notes(ip, capsys) -> list[str]:
+    capsys.readouterr()
+    ip.run_line_magic("device", "")
+    return [line.strip() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_device_names_the_cell_that_initialised_cuda(shell, monkeypatch, capsys):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)  # a CUDA build: read at loading
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    ip = shell
+    ip.user_ns["machine"] = machine
+    ip.run_cell("x = torch.ones(2)", store_history=True)  # CUDA stays down
+    assert not any("CUDA" in line for line in device_notes(ip, capsys))
+    cell = ip.execution_count
+    ip.run_cell("# the first CUDA tensor\n\nmachine.start_cuda()  # as .cuda() would\ny = 1",
+                store_history=True)
+    ip.run_cell("z = 2", store_history=True)  # a later cell does not take its place
+    assert f"CUDA initialised by cell [{cell}]: machine.start_cuda()  # as .cuda() would" in (
+        device_notes(ip, capsys)
+    )
+
+
+def test_cuda_up_before_loading_is_said_as_such(shell, monkeypatch, capsys):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda()
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    shell.run_cell("x = 1", store_history=True)
+    assert (
+        "CUDA was initialised before torch_device_magic watched (before it was loaded, "
+        "or while its report and hints were off)"
+    ) in device_notes(shell, capsys)
+
+
+def test_on_a_cpu_build_cuda_is_never_asked_about(ip, monkeypatch, capsys):
+    def asked():
+        raise AssertionError("torch.cuda.is_initialized() asked on a CPU build")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", asked)
+    for _ in range(3):
+        ip.run_cell("x = torch.ones(2)", store_history=True)
+    assert not any("CUDA initialised" in line for line in device_notes(ip, capsys))

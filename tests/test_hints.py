@@ -153,6 +153,63 @@ def test_cuda_in_a_forked_data_loader_worker_names_the_fix():
     assert "%device cuda --no-default" in hint(err, {}, "", None)
 
 
+def test_the_fork_hint_names_the_cell_that_initialised_cuda():
+    loader = DataLoader(ForkedCuda(), num_workers=1, multiprocessing_context="fork")
+    err = error_of(lambda: next(iter(loader)))
+    text = hint(err, {}, "", None, cuda_start="CUDA initialised by cell [7]: model.cuda()")
+    assert text.splitlines()[1] == "  CUDA initialised by cell [7]: model.cuda()."
+
+
+LAUNCHERS = {  # the messages as accelerate and Lightning raise them
+    "accelerate, CUDA up": ValueError(
+        "To launch a multi-GPU training from your notebook, you need to avoid running any "
+        "instruction using `torch.cuda` in any cell. Restart your notebook and make sure no "
+        "cells use any CUDA function."
+    ),
+    "accelerate, a worker failed": RuntimeError(
+        "CUDA has been initialized before the `notebook_launcher` could create a forked "
+        "subprocess. This likely stems from an outside import causing issues once the "
+        "`notebook_launcher()` is called."
+    ),
+    "Lightning ddp_notebook": RuntimeError(
+        "Lightning can't create new processes if CUDA is already initialized. Did you "
+        "manually call `torch.cuda.*` functions, have moved the model to the device, or "
+        "allocated memory on the GPU any other way? Please remove any such calls, or change "
+        "the selected strategy. You will have to restart the Python kernel."
+    ),
+}
+
+
+@pytest.mark.parametrize("error", LAUNCHERS.values(), ids=LAUNCHERS.keys())
+def test_a_launcher_refusing_a_kernel_with_cuda_up_names_the_cell(error):
+    text = hint(error, {}, "notebook_launcher(train, num_processes=2)", None,
+                cuda_start="CUDA initialised by cell [3]: model = Net().to('cuda')")
+    lines = text.splitlines()
+    assert lines[0] == (
+        f"{PREFIX} a launcher that forks (notebook_launcher, Lightning's ddp_notebook) "
+        "needs a kernel where CUDA has not been initialised."
+    )
+    assert lines[1] == "  CUDA initialised by cell [3]: model = Net().to('cuda')."
+    assert lines[2].startswith("  Fix: restart the kernel and launch before that cell runs")
+    assert len(hint(error, {}, "", None).splitlines()) == 2  # where no cell was noted
+
+
+def test_the_launcher_hint_reaches_the_cell_from_the_shell(shell, monkeypatch, capsys):
+    from fakegpu import FakeMachine, Gpu
+
+    machine = FakeMachine([Gpu()]).install(monkeypatch)  # a CUDA build: read at loading
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    ip = shell
+    ip.user_ns.update(machine=machine, error=LAUNCHERS["Lightning ddp_notebook"])
+    cell = ip.execution_count
+    ip.run_cell("model = 1\nmachine.start_cuda()", store_history=True)
+    capsys.readouterr()
+    with pytest.raises(RuntimeError):
+        ip.run_cell("raise error", store_history=True)
+    out = capsys.readouterr().out
+    assert f"  CUDA initialised by cell [{cell}]: model = 1.\n" in out
+
+
 class ForkedCuda(torch.utils.data.Dataset):
     def __len__(self):
         return 1

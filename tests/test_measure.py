@@ -185,3 +185,48 @@ def test_a_broken_accelerator_reads_none_and_never_raises(monkeypatch):
     assert m.device_reserved_delta_bytes is None
     assert m.host_peak_bytes is not None
     assert "cuda:0 n/a (peak n/a)" in str(m)
+
+
+class Heap:
+    """A free heap read through a fake clock: each reading takes `cost_s`."""
+
+    def __init__(self, monkeypatch, cost_s: float) -> None:
+        self.now, self.free, self.cost_s, self.reads = 0.0, 0, cost_s, 0
+        monkeypatch.setattr(measure, "clock", lambda: self.now)
+
+    def __call__(self) -> tuple[int, int]:
+        self.reads += 1
+        self.now += self.cost_s
+        return self.free, 0
+
+
+def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypatch):
+    heap = Heap(monkeypatch, cost_s=1e-6)
+    free = measure.FreeHeap(heap)
+    free.start()
+    assert free.free_bytes == 0
+    heap.free += 280 * 2**20  # the cell freed 280 MiB, RSS fell by 15
+    assert free.correction(-15 * 2**20, busy_s=0.3) == 280 * 2**20
+    free.start()
+    heap.free -= 265 * 2**20  # glibc trims what an earlier cell freed: RSS falls as much
+    assert free.correction(-265 * 2**20, busy_s=1e-4) == -265 * 2**20  # so the cell reads 0
+    heap.free -= 256 * 2**20  # a tensor made of free chunks that malloc_trim had released
+    assert free.correction(256 * 2**20, busy_s=0.05) == 0  # RSS grew: it says the cost
+    # A quick cell that left RSS nearly alone is not read at all (the Meter asks this).
+    assert measure.quiet(100 * 1024, busy_s=1e-4)
+    assert not measure.quiet(-2**20, busy_s=1e-4) and not measure.quiet(0, busy_s=0.01)
+
+
+def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
+    heap = Heap(monkeypatch, cost_s=0.03)  # a fragmented heap: 30 ms a reading
+    free = measure.FreeHeap(heap)
+    free.start()  # the first reading: its cost is not known yet
+    heap.free += 2**20
+    assert free.correction(-2**20, busy_s=0.5) == 0 and heap.reads == 1  # 6% of this cell
+    assert free.free_bytes is None
+    free.start()
+    assert heap.reads == 1  # not read at the start either
+    assert free.correction(-2**20, busy_s=5.0) == 0 and heap.reads == 2  # a count starts again
+    free.start()
+    heap.free += 2**20
+    assert free.correction(0, busy_s=3.0) == 2**20  # counted from there

@@ -151,7 +151,7 @@ def proc_reading_with_maxrss(monkeypatch, maxrss_bytes: int, kept_bytes: int):
         probe = ProcHighWater()
     except OSError:
         pytest.skip("/proc refuses the reset here")
-    usage = types.SimpleNamespace(ru_maxrss=maxrss_bytes // 1024)
+    usage = types.SimpleNamespace(ru_maxrss=maxrss_bytes // 1024, ru_utime=0.0, ru_stime=0.0)
     monkeypatch.setattr(probes.resource, "getrusage", lambda who: usage)
     probe.start()
     kept = allocate(kept_bytes)
@@ -285,3 +285,13 @@ def test_the_default_device_reads_on_torch_2_1_and_2_2_too(monkeypatch):
     assert probes.torch_default_device() == torch.device("meta")
     monkeypatch.setattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
     assert probes.torch_default_device() is None
+
+
+@pytest.mark.skipif(probes.malloc_free_reader() is None, reason="needs glibc 2.33+ (mallinfo2)")
+def test_the_free_heap_grows_by_what_small_tensors_leave_there():
+    read = probes.malloc_free_reader()
+    kept = [torch.randn(256) for _ in range(50_000)]  # about 50 MiB of heap chunks
+    before, _ = read()
+    del kept
+    free, trimmed = read()
+    assert free + trimmed - before > 40 * MiB  # freed to the heap, whatever RSS says

@@ -55,12 +55,46 @@ def test_every_cell_gets_one_line_and_a_numbered_record(ip, capsys):
     assert record.wall_s > 0
 
 
-def test_blank_cells_and_the_loading_cell_are_not_reported(shell, capsys):
-    run(shell, "%load_ext torch_device_magic")
-    run(shell, "")
-    run(shell, "   \n")
+def test_blank_cells_and_cells_of_comments_alone_are_not_reported(ip, capsys):
+    capsys.readouterr()
+    before = len(history(ip))
+    run(ip, "")
+    run(ip, "   \n")
+    run(ip, "# a note to self\n\n   # and another")
     assert not report_lines(capsys.readouterr().out)
-    assert history(shell) == []
+    assert len(history(ip)) == before
+    run(ip, "# a comment, then code\nx = 1")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+
+
+def test_the_loading_cell_gets_a_line_from_the_start_of_loading(shell, capsys):
+    capsys.readouterr()
+    cell = shell.execution_count
+    run(shell, "%load_ext torch_device_magic")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+    (record,) = history(shell)
+    assert record.cell == cell
+    assert record.wall_s > 0 and record.host_peak_bytes is not None
+    run(shell, "")  # a blank cell after it gets none
+    assert not report_lines(capsys.readouterr().out)
+
+
+def test_a_config_load_gives_no_line_to_the_first_blank_cell(shell, capsys):
+    shell.run_line_magic("load_ext", "torch_device_magic")  # outside a cell, as a config does
+    run(shell, "")
+    run(shell, "x = 1")
+    assert len(report_lines(capsys.readouterr().out)) == 1
+
+
+def test_freed_small_tensors_are_credited_to_the_cell_that_freed_them(ip, capsys):
+    # glibc keeps freed small chunks and hands them back to the system whenever it
+    # trims: RSS falls by a few MiB in the cell that frees them, the rest later or never.
+    run(ip, "x = [torch.randn(256) for _ in range(200_000)]")
+    run(ip, "del x")
+    run(ip, "pass")
+    freed, after = history(ip)[-2:]
+    assert -330 * MiB < freed.host_delta_bytes < -230 * MiB
+    assert abs(after.host_delta_bytes) < 2 * MiB
 
 
 
@@ -461,7 +495,8 @@ def test_devreport_is_one_switch_with_auto_report_across_reloads(ip, capsys):
     run(ip, "m = 2")
     assert not report_lines(capsys.readouterr().out)
     run(ip, "%config TorchDeviceMagics.auto_report = True")  # the latest choice wins
-    run(ip, "%reload_ext torch_device_magic")
+    run(ip, "%reload_ext torch_device_magic")  # the reloading cell has its line
+    capsys.readouterr()
     run(ip, "m = 3")
     assert len(report_lines(capsys.readouterr().out)) == 1
 

@@ -109,6 +109,23 @@ def ends_with_semicolon(cell: str) -> bool:
     return False
 
 
+def first_code_line(source: str, width: int = 60) -> str:
+    """The cell's first line that is neither blank nor a comment, stripped, cut to `width`."""
+    for line in source.splitlines():
+        text = line.strip()
+        if text and not text.startswith("#"):
+            return text if len(text) <= width else text[: width - 1] + "…"
+    return ""
+
+
+def only_comments(source: str) -> bool:
+    """True for a cell of comments (and blank lines) alone: it runs nothing.
+
+    Asked of every cell, so a cell whose first character is not `#` is answered at once.
+    """
+    return source.lstrip().startswith("#") and not first_code_line(source)
+
+
 def _awaits(source: str) -> bool:
     """True when `source` compiles only with top-level `await` allowed."""
     try:

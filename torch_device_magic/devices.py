@@ -324,8 +324,11 @@ def _xpu_devices() -> list[DeviceInfo]:
             for i, name in enumerate(probes.xpu_names())]
 
 
-def device_table(inventory: Inventory, current: torch.device | None) -> Table:
-    """The `%device` table: every device with its memory, and the session device."""
+def device_table(
+    inventory: Inventory, current: torch.device | None, cuda_start: str | None = None
+) -> Table:
+    """The `%device` table: every device with its memory, the session device, and which
+    cell initialised CUDA (`cuda_start`, as the report noted it)."""
     rows = []
     for d in inventory.devices:
         mem = "n/a"
@@ -344,6 +347,8 @@ def device_table(inventory: Inventory, current: torch.device | None) -> Table:
             "order, so which GPU is cuda:N is unknown until CUDA starts "
             "(CUDA_DEVICE_ORDER=PCI_BUS_ID makes them agree)"
         )
+    if cuda_start is not None:
+        notes.append(cuda_start)
     return Table(title, ["", "device", "name", "memory used / total", "util"], rows, notes)
 
 

@@ -6,9 +6,12 @@
       The cell uses: model (cuda:0), x (cpu)
       Fix: run the cell with %%ondevice cuda:0 (moves what it uses there), or .to(device) each one.
 
-Five errors get one: tensors on different devices, out of memory (CUDA's
+Six errors get one: tensors on different devices, out of memory (CUDA's
 `OutOfMemoryError`, and MPS's plain RuntimeError), a CUDA checkpoint loaded
-without CUDA, CUDA used in a forked subprocess (a DataLoader worker), and the
+without CUDA, CUDA used in a forked subprocess (a DataLoader worker), a
+launcher that forks refusing a kernel where CUDA is up (accelerate's
+`notebook_launcher`, Lightning's `ddp_notebook`; both name the cell that
+initialised CUDA, as the report noted it), and the
 DataLoader under a non-CPU default device (keyed on that default and a frame in
 `torch/utils/data`, because the message differs per device: a generator error
 on CUDA, `.item()` on meta).
@@ -40,6 +43,11 @@ _DATA_DIR = os.sep + os.path.join("torch", "utils", "data") + os.sep
 _MAX_NAMES = 6
 _MPS_OOM = "MPS backend out of memory"  # a plain RuntimeError, not OutOfMemoryError
 _FORKED = "Cannot re-initialize CUDA in forked subprocess"
+_LAUNCHER = re.compile(  # accelerate's notebook_launcher (two messages), Lightning's launcher
+    r"CUDA has been initialized before the `notebook_launcher`"
+    r"|avoid running any instruction using `torch\.cuda`"
+    r"|can't create new processes if CUDA is already initialized"
+)
 
 
 def hint(
@@ -48,11 +56,13 @@ def hint(
     source: str,
     session_device: torch.device | None,
     cell_default: torch.device | None = None,
+    cuda_start: str | None = None,
 ) -> str | None:
     """The hint block for `error` raised by the cell `source`, or None for other errors.
 
     `cell_default` is the default device a `%%ondevice` cell ran under, which is
-    no longer in force when the hint is made.
+    no longer in force when the hint is made; `cuda_start` says which cell
+    initialised CUDA ("CUDA initialised by cell [7]: ..."), where that is known.
 
     For an out-of-memory error it also clears the local variables of the
     traceback's frames and `sys.last_*`, so that their tensors can be freed.
@@ -60,10 +70,12 @@ def hint(
     message = str(error)
     if isinstance(error, OOM) or (isinstance(error, RuntimeError) and _MPS_OOM in message):
         return _out_of_memory(error, namespace)
+    if isinstance(error, (RuntimeError, ValueError)) and _LAUNCHER.search(message):
+        return _launcher(cuda_start)
     if not isinstance(error, RuntimeError):
         return None
     if _FORKED in message:  # also re-raised by the DataLoader from its worker
-        return _forked(session_device)
+        return _forked(session_device, cuda_start)
     if _MISMATCH.search(message):
         return _mismatch(message, namespace, source, session_device)
     if "Attempting to deserialize object on" in message:
@@ -166,17 +178,33 @@ def _checkpoint(session: torch.device | None) -> str:
     )
 
 
-def _forked(session: torch.device | None) -> str:
+def _forked(session: torch.device | None, cuda_start: str | None) -> str:
     target = "cuda" if session is None or session.type != "cuda" else str(session)
     return (
         f"{PREFIX} a forked subprocess (a DataLoader worker) used CUDA, which cannot "
         "start again in a child of a process that already started it.\n"
-        "  Fix: DataLoader(..., multiprocessing_context='spawn') (or "
+        + _started_by(cuda_start)
+        + "  Fix: DataLoader(..., multiprocessing_context='spawn') (or "
         "torch.multiprocessing.set_start_method('spawn')); or keep CUDA out of the workers "
         f"(%device {target} --no-default leaves factory functions on the CPU: move each "
         "batch with .to(device)); or start the workers before anything uses CUDA "
         "(iter(loader) with persistent_workers=True, first thing in the notebook)."
     )
+
+
+def _launcher(cuda_start: str | None) -> str:
+    return (
+        f"{PREFIX} a launcher that forks (notebook_launcher, Lightning's ddp_notebook) needs "
+        "a kernel where CUDA has not been initialised.\n"
+        + _started_by(cuda_start)
+        + "  Fix: restart the kernel and launch before that cell runs, or keep its CUDA "
+        "work (a .cuda(), .to('cuda'), a torch.cuda call) inside the function you launch."
+    )
+
+
+def _started_by(cuda_start: str | None) -> str:
+    """The line that names the cell which initialised CUDA, where the report noted one."""
+    return "" if cuda_start is None else f"  {cuda_start}.\n"
 
 
 def _raised_in_data_loading(error: BaseException) -> bool:

@@ -39,17 +39,37 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from IPython.core.displaypub import DisplayPublisher
 
+from .cells import first_code_line, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
+from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds
 
 HISTORY_SIZE = 1000
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CudaStart:
+    """The first cell after which CUDA was initialised, and that cell's first line of code."""
+
+    cell: int | None  # None: before we watched (before loading, or with report and hints off)
+    line: str = ""
+
+    def __str__(self) -> str:
+        if self.cell is None:
+            return (
+                "CUDA was initialised before torch_device_magic watched (before it was "
+                "loaded, or while its report and hints were off)"
+            )
+        return f"CUDA initialised by cell [{self.cell}]" + (f": {self.line}" if self.line else "")
 
 
 class CellReporter:
@@ -69,6 +89,9 @@ class CellReporter:
         self._adopted: Measurement | None = None
         self._fault: str | None = None  # the line to show instead of the measurement
         self._hint: Callable[[BaseException, str], str | None] | None = None
+        self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
+        self._watch_cuda = False  # ask after each cell: a CUDA build, and CUDA not up yet
+        self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
 
     @property
     def registered(self) -> bool:
@@ -101,6 +124,13 @@ class CellReporter:
         self._open = []
         self._hook(ip)
 
+    def loading(self, started: tuple[float, int | None]) -> None:
+        """Report the cell that loads us, from `started` (clock, RSS) on: IPython fired its
+        `pre_run_cell` before we were there. Called before `register`, whose probe resets
+        the high-water mark: the mark of the load so far is read now."""
+        now = rss_and_high_water()
+        self._loading = (*started, None if now is None else now[1])
+
     def set_hint(self, ip: Any, hint: Callable[[BaseException, str], str | None] | None) -> None:
         """Show `hint(error, cell source)` after a failing cell's traceback; None: no hints."""
         self._hint = hint
@@ -123,6 +153,9 @@ class CellReporter:
                     ip.events.unregister(event, callback)
             if on and mine not in ip.events.callbacks[event]:
                 ip.events.register(event, mine)
+        if wanted["post_run_cell"] and self.cuda_start is None and runtime_up("cuda"):
+            self.cuda_start = CudaStart(None)  # up before we watched: which cell is unknown
+        self._watch_cuda = self.cuda_start is None and cuda_built()  # read once, not per cell
 
     def status(self) -> str:
         """On or off, the thresholds, synchronisation, the history's size; when on, what
@@ -150,6 +183,10 @@ class CellReporter:
             self._adopted = measurement
 
     def pre_run_cell(self, info: object) -> None:
+        self._loading = None  # a cell of its own: we were loaded outside a cell
+        first = getattr(info, "raw_cell", "")[:1]
+        if (first == "#" or first.isspace()) and only_comments(info.raw_cell):  # type: ignore[attr-defined]
+            return  # it runs nothing: no line, as for a blank cell
         self._open.append(info)
         if len(self._open) > 1:
             return  # a cell run inside a cell: the outer one is measured
@@ -177,6 +214,11 @@ class CellReporter:
         if at is not None:
             del cells[at:]  # and any inner cell left open
         outermost = at == 0
+        loading = self._loading
+        if loading is not None:
+            self._loading = None
+        if self._watch_cuda and not cells and info is not None:
+            self._note_cuda(result)  # before the hint, which names that cell
         measured = None
         if outermost:
             self._unwatch_stdout()
@@ -190,6 +232,8 @@ class CellReporter:
                 self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
             self._show_hint(self._hint, result)
+        if loading is not None and at is None and not cells and info is not None:
+            self._report_loading(loading, result)
         if not outermost or info is None or result.error_before_exec is not None:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
@@ -200,6 +244,33 @@ class CellReporter:
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._fault is not None:
             self._publish({"text/plain": self._fault})
+
+    def _note_cuda(self, result: Any) -> None:
+        """Note the cell after which CUDA is up: one cheap question a cell until then
+        (`torch.cuda.is_initialized()`, never asked on a CPU build), none after."""
+        if torch.cuda.is_initialized():
+            raw = getattr(result.info, "raw_cell", "")
+            self.cuda_start = CudaStart(result.execution_count, first_code_line(raw))
+            self._watch_cuda = False
+
+    def _report_loading(self, loading: tuple[float, int | None, int | None], result: Any) -> None:
+        """The line of the cell that loaded us: from the start of loading to now."""
+        if self._meter is None or "torch_device_magic" not in getattr(result.info, "raw_cell", ""):
+            return  # the report is off, or not the loading cell (a blank one after a config load)
+        started, rss0, hwm0 = loading
+        wall_s = clock() - started
+        now = rss_and_high_water()
+        delta = peak = None
+        if rss0 is not None and now is not None:
+            rss, hwm = now
+            delta = rss - rss0
+            peak = max(0, delta, max(hwm, hwm0 or 0) - rss0)
+        try:
+            self._printing, self._line_open = self._prints(), False
+            self._record(Measurement(wall_s, host_delta_bytes=delta, host_peak_bytes=peak),
+                         result.execution_count)
+        except Exception:
+            _log.debug("the loading cell's line failed", exc_info=True)
 
     def _show_hint(self, hint: Callable[[BaseException, str], str | None], result: Any) -> None:
         """Print the hint for the cell's error under its traceback; a fault here shows

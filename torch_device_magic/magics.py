@@ -170,7 +170,9 @@ class TorchDeviceMagics(Magics):
     def _hint(self, error: BaseException, source: str) -> str | None:
         failed, self._failed_under = self._failed_under, None
         cell_default = failed[1] if failed is not None and failed[0] == id(error) else None
-        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default)
+        cuda_start = self.reporter.cuda_start
+        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
+                          None if cuda_start is None else str(cuda_start))
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
@@ -219,7 +221,10 @@ class TorchDeviceMagics(Magics):
         set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
         a CUDA context; MIG instances with their own memory) and marks the
-        session device with `*`. `auto` takes the usable GPU with the most free
+        session device with `*`, and under it the cell that initialised CUDA
+        ("CUDA initialised by cell [7]: " and its first line of code), as the
+        report noted it: a cell that forks or launches (notebook_launcher,
+        ddp_notebook) must come before it. `auto` takes the usable GPU with the most free
         memory: a GPU this torch cannot run on (driver too old, compute
         capability not built for) is listed with the reason and skipped. Before
         a CUDA context exists, differing GPUs are listed as `cuda:?` unless
@@ -234,7 +239,9 @@ class TorchDeviceMagics(Magics):
         if args.spec is None:
             if args.move:
                 raise DeviceMagicError("%device --move needs a device, e.g. %device cuda --move")
-            display(device_table(take_inventory(), self.session.device))
+            cuda_start = self.reporter.cuda_start
+            display(device_table(take_inventory(), self.session.device,
+                                 None if cuda_start is None else str(cuda_start)))
             return
         if args.spec == "reset":
             dev, why = None, "cpu (torch's default device restored)"
@@ -681,10 +688,13 @@ class TorchDeviceMagics(Magics):
         return None
 
 
-def load(ip: Any) -> None:
-    """Register the magics and the per-cell hooks on `ip`."""
+def load(ip: Any, started: tuple[float, int | None] | None = None) -> None:
+    """Register the magics and the per-cell hooks on `ip`; the line of the cell that loads
+    them counts from `started` (the clock and RSS when loading began)."""
     magics = TorchDeviceMagics(ip)
     ip.register_magics(magics)
+    if started is not None:
+        magics.reporter.loading(started)
     magics.apply_report_settings()
 
 

@@ -13,6 +13,7 @@ moment between start and stop.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -27,7 +28,9 @@ from .probes import (
     clock,
     cuda_built,
     devices_in_use,
+    guarded,
     host_probe,
+    malloc_free_reader,
     nvml_process_bytes,
 )
 from .units import fmt_bytes, fmt_seconds
@@ -152,6 +155,74 @@ def _changed(before: Counters, after: Counters) -> bool:
     ) or (_sub(after.peak_bytes, before.allocated_bytes) or 0) > 0
 
 
+_WALK_CHEAP_S = 50e-6  # a free-heap reading this quick is taken after any cell that needs it
+_WALK_SHARE = 0.01  # a slower one (a fragmented heap) only in cells it costs 1% of
+_QUIET_S = 5e-3  # a cell busy for less than this, RSS moved less than _STILL_BYTES: not read
+_STILL_BYTES = 256 * 1024  # (such a cell can free or take little: the next reading counts it)
+
+
+class FreeHeap:
+    """What the cell itself freed to malloc's free lists: the host change is the RSS change
+    less what the free heap grew by, and a fall in RSS that only the free heap shrinking
+    explains (glibc trimmed what an earlier cell freed) counts for nothing: memory freed
+    is credited to the cell that freed it, not to the cell glibc gave it back in.
+
+    The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
+    cell that kept the process busy for 5 ms or more (CPU time, as getrusage read it for
+    the peak, since the last cell; the wall time where there is none: a cell waiting for
+    a loaded machine's CPU did no work) or moved RSS by 256 KiB or more, while a reading
+    costs at most 50 µs or 1% of that time; a quick cell that left RSS nearly alone is not
+    read (what it did is counted at the next reading). Where a reading is too dear
+    (a fragmented heap), cells get their RSS change as it is until a cell long enough
+    to afford one comes, which starts the count again.
+    """
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+        self.free_bytes: int | None = None  # at the last reading, if that is still current
+        self._cost_s = 0.0  # what the last reading took
+
+    def _walk(self) -> tuple[int, int]:
+        t0 = clock()
+        found = self._read()
+        self._cost_s = clock() - t0
+        return found
+
+    def start(self) -> None:
+        """Read the free heap before a cell, where no reading is current and one is cheap."""
+        if self.free_bytes is None and self._cost_s <= _WALK_CHEAP_S:
+            found = guarded(self._walk)
+            self.free_bytes = None if found is None else found[0]
+
+    def correction(self, rss_delta: int, busy_s: float) -> int:
+        """What to take from `rss_delta`: the free heap's change during the cell, less what
+        reading it handed back (its consolidation can trim)."""
+        before, self.free_bytes = self.free_bytes, None
+        if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * busy_s):
+            return 0  # not read: the next reading starts the count again
+        found = guarded(self._walk)
+        if found is None:
+            return 0
+        self.free_bytes, trimmed = found
+        if before is None:
+            return 0
+        # What the reading trimmed left the free heap and RSS after RSS was read.
+        change = self.free_bytes - before + trimmed
+        if change > 0:  # the cell freed to the heap: it gave that up, whatever RSS says
+            return change
+        # A heap that shrank and RSS that fell: the allocator gave back what it held free.
+        # One that shrank while RSS did not fall is memory the cell took from the free
+        # lists: RSS says what that cost (nothing where the pages were still resident,
+        # everything where malloc_trim or swap had released them), so it stands.
+        return max(change, rss_delta) if rss_delta < 0 else 0
+
+
+def quiet(rss_delta: int | None, busy_s: float) -> bool:
+    """A cell too short, with RSS too still, to be worth reading the free heap after (or
+    one whose RSS could not be read)."""
+    return rss_delta is None or (busy_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES)
+
+
 class Meter:
     """Measures one stretch of code at a time: `start()` before it, `stop()` after.
 
@@ -175,6 +246,10 @@ class Meter:
         self._before: dict[str, Counters] = {}
         self._events: dict[str, Any] = {}
         self._t0 = clock()
+        read = malloc_free_reader() if host is None else None
+        self._heap = None if read is None else FreeHeap(read)
+        self._cpu_s: float | None = None  # the host probe's CPU time at the last stop
+        self._busy = 0.0  # the CPU time of the cell that just stopped (see `_quiet`)
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
@@ -190,6 +265,8 @@ class Meter:
                 accel.start_peak()
             self._events = {a.name: a.record_event() for a in watched if a.has_context()}
         self.children.start()
+        if self._heap is not None and self._heap.free_bytes is None:
+            self._heap.start()
         self.host.start()
         self._t0 = clock()
 
@@ -203,6 +280,8 @@ class Meter:
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
             host_delta, host_peak = self.host.stop()
+            if self._heap is not None and not self._quiet(host_delta, wall_s):
+                host_delta, host_peak = self._credit(host_delta, host_peak)
             return self._workers(Measurement(wall_s, None, None, None, None, host_delta, host_peak))
         watched = devices_in_use(main)
         ends, error = {}, None
@@ -213,6 +292,8 @@ class Meter:
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
         host_delta, host_peak = self.host.stop()
+        if self._heap is not None and not self._quiet(host_delta, wall_s):
+            host_delta, host_peak = self._credit(host_delta, host_peak)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]
@@ -254,6 +335,23 @@ class Meter:
         m.workers_device_bytes = found.device_bytes
         m.workers_note = found.device_note
         return m
+
+    def _quiet(self, delta: int | None, wall_s: float) -> bool:
+        """Whether the cell was too quick and still for a free-heap reading (`quiet`), by
+        the CPU time the process spent since the last stop, as the host probe read it
+        (getrusage, for the peak), or `wall_s` where it reads none."""
+        cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
+        self._cpu_s = cpu
+        self._busy = wall_s if cpu is None or before is None else cpu - before
+        return quiet(delta, self._busy)
+
+    def _credit(self, delta: int | None, peak: int | None) -> tuple[int | None, int | None]:
+        """The host change as the cell made it (RSS, less what it left in or took from
+        malloc's free lists), and the RSS peak above the start, at least that change."""
+        if self._heap is None or delta is None:
+            return delta, peak
+        delta -= self._heap.correction(delta, self._busy)
+        return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:
         self.host.close()

@@ -94,6 +94,7 @@ class ProcHighWater:
         self._statm = self._open(f"{proc}/statm", os.O_RDONLY)
         self._status = self._open(f"{proc}/status", os.O_RDONLY)
         self._rss0: int | None = None
+        self.cpu_s: float | None = None  # the process's CPU time at the last stop (getrusage's)
         self.start()  # fails here, not in a user's cell, where the kernel refuses the reset
         if self.stop() == (None, None):
             self.close()
@@ -123,7 +124,9 @@ class ProcHighWater:
         if rss0 is None:
             return None, None
         try:
-            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            self.cpu_s = usage.ru_utime + usage.ru_stime
+            hwm = usage.ru_maxrss * 1024  # KiB on Linux
             rss = self._rss()
             if hwm > rss0 + _SLACK:  # a real peak, or a stale mark: VmHWM tells them apart
                 status = os.pread(self._status, 4096, 0)
@@ -214,6 +217,55 @@ def rss_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return guarded(lambda: psutil.Process().memory_info().rss)
+
+
+def rss_and_high_water() -> tuple[int, int] | None:
+    """RSS and the kernel's high-water mark (`VmHWM`) now, in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            status = f.read()
+        return _status_kib(status, b"VmRSS:") * 1024, _status_kib(status, b"VmHWM:") * 1024
+    except (OSError, ValueError):
+        return None
+
+
+def malloc_free_reader() -> Callable[[], tuple[int, int]] | None:
+    """A function giving the bytes glibc's malloc holds free in every arena (resident or
+    not), `mallinfo2().fordblks`, and what the reading itself handed back to the system;
+    None without glibc 2.33+ (macOS, musl, Windows).
+
+    It walks every free chunk: about 1 µs on a compact heap, tens of milliseconds with
+    hundreds of thousands of free chunks (the caller decides when it can afford it). A
+    4 KiB malloc and free first consolidate the fast bins, as glibc's next large malloc
+    would: after a mass free that turns ~680,000 chunks into a few dozen. That free can
+    trim the heap's top, which the program break (`sbrk(0)`, no system call) shows.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallinfo2, malloc, free, sbrk = libc.mallinfo2, libc.malloc, libc.free, libc.sbrk
+    except (OSError, AttributeError):
+        return None
+    size_t = ctypes.c_size_t
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = MallInfo2
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [size_t]
+    free.restype, free.argtypes = None, [ctypes.c_void_p]
+    sbrk.restype, sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+
+    def read() -> tuple[int, int]:
+        top = sbrk(0) or 0
+        free(malloc(4096))
+        trimmed = top - (sbrk(0) or 0)
+        return int(mallinfo2().fordblks), max(0, trimmed)
+
+    return read
 
 
 def host_probe() -> HostProbe:

@@ -233,12 +233,12 @@ def analyse(
     runs: int = 1,
     sort: str = "self",
     top: int = 10,
-    device_expected: bool = False,
+    device_in_use: bool = False,
 ) -> Analysis:
     """The tables and counts of a capture's `events`.
 
-    `line_names` maps our range names to (where, code); `device_expected`: the
-    capture asked for device activity, so none at all means it could not be recorded.
+    `line_names` maps our range names to (where, code); `device_in_use`: an
+    accelerator was in use, so a host read of a value (`.item()`) waits for it.
     """
     line_names = line_names or {}
     cpu = [e for e in events if e.kind in ("op", "line", "runtime", "memory")]
@@ -271,7 +271,7 @@ def analyse(
         copies=len(copies := [d for d in device if d.kind == "memcpy" and "DtoD" not in d.name]),
         copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
         syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
-        stalls=_stalls(events, by_id, line_names, runs) if device_expected or recorded else [],
+        stalls=_stalls(events, line_names, runs) if device_in_use else [],
     )
 
 
@@ -357,7 +357,7 @@ def _op_rows(ops: list[Event], recorded: bool, sort: str, top: int) -> list[OpRo
             total_cpu_s=sum(e.end_ns - e.start_ns for e in es) / 1e9,
             device_s=sum(e.device_ns for e in es) / 1e9 if recorded else None,
             allocated_bytes=sum(e.alloc_bytes for e in es),
-            shapes=_shapes(Counter(e.shapes for e in es if e.shapes)),
+            shapes=_shapes(Counter(e.shapes for e in es if any(e.shapes))),
         )
         for name, es in groups.items()
     ]
@@ -430,10 +430,7 @@ def _union_ns(device: list[Event]) -> int:
     return total
 
 
-def _stalls(
-    events: list[Event], by_id: dict[int, Event], line_names: dict[str, tuple[str, str]],
-    runs: int,
-) -> list[str]:
+def _stalls(events: list[Event], line_names: dict[str, tuple[str, str]], runs: int) -> list[str]:
     """Host reads of device values (`.item()`, `.cpu()`) that a line repeats within a
     run: each one waits for the device."""
     reads: Counter[tuple[str, str]] = Counter()
@@ -780,14 +777,14 @@ class Capture:
                 self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
         heard: list[str] = []
-        prof = _profiler(cuda, heard)
+        prof = _profiler(cuda)
         tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
         meter = Meter(sync=True)
         value = measured = None
         # kineto writes to descriptor 2 at start and stop, and torch's allocator once
         # when a block made before the start is freed: all of the capture is covered.
         with quiet_stderr(heard):
-            prof.start()
+            _start(prof, heard)
             try:
                 prof.add_metadata_json("distributedInfo", json.dumps(
                     {"backend": "none", "rank": 0, "world_size": 1}))
@@ -817,8 +814,9 @@ class Capture:
         opts = self.options
         events = from_kineto(prof.profiler.kineto_results)
         names = tracer.names if tracer is not None else {}
+        in_use = cuda or (measured is not None and measured.device is not None)
         analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
-                           device_expected=cuda)
+                           device_in_use=in_use)
         notes = _device_notes(analysis, events, heard, cuda)
         if opts.sort == "device" and not analysis.device_recorded:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
@@ -875,14 +873,18 @@ def _sync() -> None:
         accel.synchronize()
 
 
-def _profiler(cuda: bool, heard: list[str]) -> Any:
-    """torch's profiler, recording CUDA only where asked; what it warned goes to `heard`
-    ('CUDA is not available, disabling CUDA profiling')."""
+def _profiler(cuda: bool) -> Any:
+    """torch's profiler, recording CUDA only where asked."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return profile(activities=activities, record_shapes=True, profile_memory=True)
+
+
+def _start(prof: Any, heard: list[str]) -> None:
+    """Start recording; what torch warned goes to `heard` ('CUDA is not available,
+    disabling CUDA profiling'), not to the user."""
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+        prof.start()
     heard.extend(str(w.message) for w in warned)
-    return prof

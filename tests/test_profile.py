@@ -182,7 +182,8 @@ def test_the_report_line_says_profiled_and_the_overview_compares_with_a_plain_ru
     ip.run_cell("%%profile\ny = torch.ones(3) + 1")
     out = capsys.readouterr().out
     assert "(profiled) |" in out.splitlines()[-1]  # the per-cell line, after the profile
-    assert "x the plain run (" in out and ", In[" in out
+    assert "x the plain run (" in out
+    assert ", In[" in out or ", an earlier cell)" in out  # IPython 7 numbers no test cells
 
 
 def test_on_a_gpu_without_recorded_activity_there_is_one_line_and_no_device_column(

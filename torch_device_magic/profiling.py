@@ -342,7 +342,8 @@ def _shapes(counter: Counter[tuple[tuple[int, ...], ...]]) -> str:
         return ""
     shapes, n = counter.most_common(1)[0]
     text = ", ".join(str(tuple(s)) if s else "()" for s in shapes) or "-"
-    return text if n == sum(counter.values()) else f"{text} ×{n}"
+    total = sum(counter.values())
+    return text if n == total else f"{text} ({n} of {total})"
 
 
 def _op_rows(ops: list[Event], recorded: bool, sort: str, top: int) -> list[OpRow]:

@@ -36,11 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
-from traitlets.config import Config  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
 
-from torch_device_magic import cells  # noqa: E402
-from torch_device_magic.profiling import Capture, Options  # noqa: E402
+from torch_device_magic import cells
+from torch_device_magic.profiling import Capture, Options
 
 SETUP = """
 import torch

@@ -691,7 +691,8 @@ class TorchDeviceMagics(Magics):
             self._profiling = False
         if args.output:
             return report
-        display(report)
+        if report is not None:
+            display(report)
         return value
 
     @magic_arguments()

@@ -40,6 +40,7 @@ import bisect
 import contextlib
 import json
 import linecache
+import logging
 import os
 import sys
 import tempfile
@@ -52,7 +53,7 @@ from typing import Any
 
 import torch
 
-from .errors import DeviceMagicError
+from .errors import DeviceMagicError, first_sentence
 from .measure import Measurement, Meter
 from .probes import clock, runtime_up
 from .reports import Table
@@ -66,6 +67,7 @@ _SYNC_CALLS = frozenset({
 })
 _READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
           "aten::to": ".cpu()/.to()", "aten::_to_copy": ".cpu()/.to()", "aten::copy_": ".copy_()"}
+_log = logging.getLogger(__name__)
 _NOISE = ("profiler_start", "profiler_stop", "Completed Stage:", "ActivityProfilerController",
           "Memory block of unknown size was allocated before the profiling started")
 
@@ -120,6 +122,7 @@ class Event:
     alloc_bytes: int = 0
     device_ns: int = 0
     line: str | None = None
+    parent: Event | None = None  # the innermost op or range around it, on its thread
 
 
 def from_kineto(result: Any) -> list[Event]:
@@ -128,7 +131,7 @@ def from_kineto(result: Any) -> list[Event]:
     out = []
     for e in result.events():
         name = e.name()
-        activity = e.activity_type()
+        activity = e.activity_type() if hasattr(e, "activity_type") else ""  # older torch
         device = str(e.device_type()) != "DeviceType.CPU"
         if name == "[memory]":
             kind = "memory"
@@ -139,7 +142,8 @@ def from_kineto(result: Any) -> list[Event]:
                     else "memset" if "memset" in activity or name.startswith("Memset")
                     else "kernel")
         elif activity in ("cuda_runtime", "cuda_driver", "privateuse1_runtime",
-                          "privateuse1_driver", "xpu_runtime", "xpu_driver"):
+                          "privateuse1_driver", "xpu_runtime", "xpu_driver") or (
+                not activity and name.startswith(("cuda", "hip"))):
             kind = "runtime"
         elif e.is_async() or e.start_thread_id() != e.end_thread_id() or name in _FILTERED:
             continue
@@ -149,7 +153,7 @@ def from_kineto(result: Any) -> list[Event]:
         out.append(Event(
             name=name, kind=kind, start_ns=e.start_ns() - start, end_ns=e.end_ns() - start,
             thread=e.start_thread_id(), correlation=e.correlation_id(),
-            linked=e.linked_correlation_id(),
+            linked=e.linked_correlation_id() if hasattr(e, "linked_correlation_id") else 0,
             shapes=tuple(tuple(s) for s in e.shapes()) if kind == "op" else (),
             nbytes=nbytes, on_device=kind == "memory" and device,
         ))
@@ -295,6 +299,7 @@ def _nest(events: list[Event]) -> None:
                     parent.alloc_bytes += e.nbytes
                 continue
             e.self_ns += e.end_ns - e.start_ns
+            e.parent = parent
             if parent is not None:
                 parent.self_ns -= e.end_ns - e.start_ns
             stack.append(e)
@@ -435,17 +440,16 @@ def _stalls(events: list[Event], line_names: dict[str, tuple[str, str]], runs: i
     """Host reads of device values (`.item()`, `.cpu()`) that a line repeats within a
     run: each one waits for the device."""
     reads: Counter[tuple[str, str]] = Counter()
-    seen: set[int] = set()
-    ops = sorted((e for e in events if e.kind == "op"), key=lambda e: (e.start_ns, -e.end_ns))
-    for e in ops:
+    for e in events:
         what = _READS.get(e.name)
-        if what is None or e.line is None:
+        if what is None or e.kind != "op" or e.line is None:
             continue
         # the outermost read only: .item() calls _local_scalar_dense, .cpu() calls copy_
-        if any(o.correlation in seen for o in _enclosing(ops, e)):
-            continue
-        seen.add(e.correlation)
-        reads[(e.line, what)] += 1
+        parent = e.parent
+        while parent is not None and parent.name not in _READS:
+            parent = parent.parent
+        if parent is None:
+            reads[(e.line, what)] += 1
     out = []
     for (line, what), n in reads.most_common():
         if n > runs:
@@ -455,15 +459,6 @@ def _stalls(events: list[Event], line_names: dict[str, tuple[str, str]], runs: i
             out.append(f"{what} {plural(n, 'time')} on {where}{per_run} (a loop: each waits "
                        "for the device)")
     return out
-
-
-def _enclosing(ops: list[Event], e: Event) -> Iterator[Event]:
-    """The ops on `e`'s thread whose interval contains `e` (few: reads are rare)."""
-    for o in ops:
-        if o.start_ns > e.start_ns:
-            break
-        if o is not e and o.thread == e.thread and o.end_ns >= e.end_ns:
-            yield o
 
 
 # --- recording ----------------------------------------------------------------------------
@@ -764,10 +759,13 @@ class Capture:
     plain_wall_s: float | None = None
     plain_from: str | None = None
 
-    def __call__(self, show_partial: Callable[[ProfileReport], None]) -> tuple[ProfileReport, Any]:
-        """Run the cell profiled; the report and the last run's value. If the cell
-        raises (or Ctrl-C), the partial report goes to `show_partial` before the
-        error propagates; the profiler is stopped either way."""
+    def __call__(
+        self, show_partial: Callable[[ProfileReport], None]
+    ) -> tuple[ProfileReport | None, Any]:
+        """Run the cell profiled; the report (None, said in one line, where reading the
+        profile failed) and the last run's value. If the cell raises (or Ctrl-C), the
+        partial report goes to `show_partial` before the error propagates; the profiler
+        is stopped either way."""
         __tracebackhide__ = True
         opts = self.options
         for i in range(opts.warmup):
@@ -802,11 +800,19 @@ class Capture:
             except BaseException as err:
                 prof.stop()
                 meter.close()
-                show_partial(self._report(prof, tracer, None, heard, cuda, partial=err))
+                try:
+                    show_partial(self._report(prof, tracer, None, heard, cuda, partial=err))
+                except Exception:  # ours: the cell's own error is the one to see
+                    _log.debug("the partial profile could not be made", exc_info=True)
                 raise
             prof.stop()
             meter.close()
-        return self._report(prof, tracer, measured, heard, cuda), value
+        try:
+            return self._report(prof, tracer, measured, heard, cuda), value
+        except Exception as err:  # the cell ran: its value is kept, and our fault said
+            _log.debug("the profile could not be made", exc_info=True)
+            print(f"%%profile could not read the profile: {first_sentence(err, named=True)}")
+            return None, value
 
     def _report(
         self, prof: Any, tracer: LineTracer | None, measured: Measurement | None,

@@ -126,40 +126,46 @@ class Event:
 
 
 def from_kineto(result: Any) -> list[Event]:
-    """The events of a finished capture (`prof.profiler.kineto_results`)."""
+    """The events of a finished capture (`prof.profiler.kineto_results`); read once, in
+    one pass (tens of thousands of events: every call per event counts)."""
     start = result.trace_start_ns()
+    events = result.events()
+    cpu = torch.autograd.DeviceType.CPU
+    older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
+    linked = bool(events) and hasattr(events[0], "linked_correlation_id")
     out = []
-    for e in result.events():
+    append = out.append
+    for e in events:
         name = e.name()
-        activity = e.activity_type() if hasattr(e, "activity_type") else ""  # older torch
-        device = str(e.device_type()) != "DeviceType.CPU"
+        activity = "" if older else e.activity_type()
+        device = e.device_type() != cpu
         if name == "[memory]":
-            kind = "memory"
-        elif name.startswith(LINE_PREFIX):
+            append(Event(name, "memory", e.start_ns() - start, e.start_ns() - start,
+                         e.start_thread_id(), nbytes=e.nbytes(), on_device=device))
+            continue
+        if name.startswith(LINE_PREFIX):
             kind = "line"
         elif device:
             kind = ("memcpy" if "memcpy" in activity or name.startswith("Memcpy")
                     else "memset" if "memset" in activity or name.startswith("Memset")
                     else "kernel")
-        elif activity in ("cuda_runtime", "cuda_driver", "privateuse1_runtime",
-                          "privateuse1_driver", "xpu_runtime", "xpu_driver") or (
-                not activity and name.startswith(("cuda", "hip"))):
+        elif activity in _RUNTIME or (older and name.startswith(("cuda", "hip"))):
             kind = "runtime"
-        elif e.is_async() or e.start_thread_id() != e.end_thread_id() or name in _FILTERED:
+        elif name in _FILTERED or e.is_async() or e.start_thread_id() != e.end_thread_id():
             continue
         else:
             kind = "op"
-        nbytes = e.nbytes() if kind == "memory" else (_copied_bytes(e) if kind == "memcpy" else 0)
-        out.append(Event(
-            name=name, kind=kind, start_ns=e.start_ns() - start, end_ns=e.end_ns() - start,
-            thread=e.start_thread_id(), correlation=e.correlation_id(),
-            linked=e.linked_correlation_id() if hasattr(e, "linked_correlation_id") else 0,
-            shapes=tuple(tuple(s) for s in e.shapes()) if kind == "op" else (),
-            nbytes=nbytes, on_device=kind == "memory" and device,
+        append(Event(
+            name, kind, e.start_ns() - start, e.end_ns() - start, e.start_thread_id(),
+            e.correlation_id(), e.linked_correlation_id() if linked else 0,
+            tuple(map(tuple, e.shapes())) if kind == "op" else (),
+            _copied_bytes(e) if kind == "memcpy" else 0,
         ))
     return out
 
 
+_RUNTIME = frozenset({"cuda_runtime", "cuda_driver", "privateuse1_runtime",
+                      "privateuse1_driver", "xpu_runtime", "xpu_driver"})
 _FILTERED = frozenset({
     "profiler::_record_function_enter", "profiler::_record_function_enter_new",
     "profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version",
@@ -684,7 +690,7 @@ class ProfileReport:
         head += ["allocated", "input shapes (most frequent)"]
         rows = []
         for r in a.ops:
-            row: list[object] = [r.name, f"{r.calls:,}", fmt_seconds(r.self_cpu_s),
+            row: list[object] = [r.name, r.calls, fmt_seconds(r.self_cpu_s),
                                  fmt_seconds(r.total_cpu_s)]
             if device:
                 row.append(fmt_seconds(r.device_s))
@@ -694,7 +700,7 @@ class ProfileReport:
         if a.kernels:
             out.append(Table(
                 "top kernels by device time", ["kernel", "calls", "device", "launched by"],
-                [[_short(k.name), f"{k.calls:,}", fmt_seconds(k.device_s), k.launched_by]
+                [[_short(k.name), k.calls, fmt_seconds(k.device_s), k.launched_by]
                  for k in a.kernels],
             ))
         if self.timeline is not None:
@@ -708,7 +714,7 @@ class ProfileReport:
         head += ["allocated", "code"]
         rows = []
         for r in a.lines:
-            row: list[object] = [r.where, f"{r.hits:,}", fmt_seconds(r.wall_s),
+            row: list[object] = [r.where, r.hits, fmt_seconds(r.wall_s),
                                  fmt_seconds(r.cpu_s)]
             if device:
                 row.append(fmt_seconds(r.device_s))

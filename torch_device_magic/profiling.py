@@ -133,7 +133,7 @@ def from_kineto(result: Any) -> list[Event]:
     cpu = torch.autograd.DeviceType.CPU
     older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
     linked = bool(events) and hasattr(events[0], "linked_correlation_id")
-    out = []
+    out: list[Event] = []
     append = out.append
     for e in events:
         name = e.name()

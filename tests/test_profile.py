@@ -270,6 +270,16 @@ def _nothing_left_recording():
     assert sys.gettrace() is None
 
 
+def test_on_another_accelerator_an_item_in_a_loop_is_named(ip, tdmdev):
+    # tdmdev records no device activity, but its .item() waits for the device all the same.
+    ip.run_cell("t = torch.ones(4, device='tdmdev:0')")
+    report = profile(ip, "-o", "s = 0.0\nfor _ in range(3):\n    s += t.sum().item()")
+    assert report.measurement.device == "tdmdev:0" and not report.analysis.device_recorded
+    assert report.analysis.stalls == [
+        ".item() 3 times on line 3 (a loop: each waits for the device)"]
+    assert ip.user_ns["s"] == 12.0
+
+
 # --- on a GPU (scripts/gpu-check) ------------------------------------------------------------
 
 

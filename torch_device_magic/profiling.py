@@ -65,6 +65,7 @@ _SYNC_CALLS = frozenset({
     "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
     "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy",
 })
+_ITEM = frozenset({"aten::item", "aten::_local_scalar_dense"})
 _READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
           "aten::to": ".cpu()/.to()", "aten::_to_copy": ".cpu()/.to()", "aten::copy_": ".copy_()"}
 _log = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ def analyse(
         copies=len(copies := [d for d in device if d.kind == "memcpy" and "DtoD" not in d.name]),
         copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
         syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
-        stalls=_stalls(events, line_names, runs) if device_in_use else [],
+        stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
     )
 
 
@@ -442,20 +443,32 @@ def _union_ns(device: list[Event]) -> int:
     return total
 
 
-def _stalls(events: list[Event], line_names: dict[str, tuple[str, str]], runs: int) -> list[str]:
+def _stalls(
+    events: list[Event], by_id: dict[int, Event], line_names: dict[str, tuple[str, str]],
+    runs: int,
+) -> list[str]:
     """Host reads of device values (`.item()`, `.cpu()`) that a line repeats within a
-    run: each one waits for the device."""
+    run: each one waits for the device.
+
+    Where the runtime's calls were recorded (CUDA), a read is the outermost `.item()` or
+    `.to()` op around a synchronising call (a `.to(torch.half)` is none); elsewhere only
+    `.item()`, which always waits."""
     reads: Counter[tuple[str, str]] = Counter()
-    for e in events:
-        what = _READS.get(e.name)
-        if what is None or e.kind != "op" or e.line is None:
-            continue
-        # the outermost read only: .item() calls _local_scalar_dense, .cpu() calls copy_
-        parent = e.parent
-        while parent is not None and parent.name not in _READS:
-            parent = parent.parent
-        if parent is None:
-            reads[(e.line, what)] += 1
+    found: set[int] = set()
+    syncs = [e for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS]
+    if syncs:
+        starts = [by_id.get(e.linked) for e in syncs]
+    else:
+        starts = [e for e in events if e.kind == "op" and e.name in _ITEM]
+    for op in starts:
+        outermost = None
+        while op is not None:
+            if op.name in _READS:
+                outermost = op
+            op = op.parent
+        if outermost is not None and outermost.line is not None and id(outermost) not in found:
+            found.add(id(outermost))
+            reads[(outermost.line, _READS[outermost.name])] += 1
     out = []
     for (line, what), n in reads.most_common():
         if n > runs:

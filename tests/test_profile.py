@@ -57,6 +57,7 @@ light = torch.ones(2) + 1""")
     assert report.slowest_line() is inner
     mm = next(r for r in report.ops if r.name == "aten::mm")
     assert mm.calls == 3 and mm.shapes == "(200, 200), (200, 200)"
+    assert {e.key: e.count for e in report.profiler.key_averages()}["aten::mm"] == 3  # torch's
     assert "total" in ip.user_ns and ip.user_ns["light"].tolist() == [2.0, 2.0]
 
 
@@ -250,6 +251,7 @@ def test_the_report_on_a_gpu_has_device_columns_and_a_kernel_table():
     a = analyse(events, names, device_in_use=True)
     report = ProfileReport("In[1]", 1, 1e-6, None, a, "/tmp/t.json")
     overview, lines, ops, kernels = report.tables()
+    assert not any(t.title.startswith("PARTIAL") for t in report.tables())
     assert "1 kernel launch" in overview.title and "4 host-device copies" in overview.title
     assert "3 synchronisations" in overview.title
     assert "stall: .item() 3 times on line 2" in overview.text()

@@ -691,12 +691,10 @@ class ProfileReport:
     def tables(self) -> list[Table]:
         a = self.analysis
         device = a.device_recorded
-        title = self.overview()
-        notes = list(self.notes)
+        notes = list(self.notes) + [f"stall: {s}" for s in a.stalls]
+        out = [Table(self.overview(), [], [], notes)]
         if self.partial is not None:
-            title = f"PARTIAL: {self.partial}\n{title}"
-        notes += [f"stall: {s}" for s in a.stalls]
-        out = [Table(title, [], [], notes)]
+            out.insert(0, Table(f"PARTIAL: {self.partial}", [], []))
         if a.lines:
             out.append(self._line_table())
         head = ["op", "calls", "self CPU", "total CPU"] + (["device"] if device else [])
@@ -802,7 +800,12 @@ class Capture:
         # kineto writes to descriptor 2 at start and stop, and torch's allocator once
         # when a block made before the start is freed: all of the capture is covered.
         with quiet_stderr(heard):
-            _start(prof, heard)
+            try:
+                _start(prof, heard)
+            except RuntimeError as err:  # kineto refused (another profiler, a broken build)
+                raise DeviceMagicError(
+                    f"%%profile could not start torch.profiler: {first_sentence(err)}"
+                ) from None
             try:
                 prof.add_metadata_json("distributedInfo", json.dumps(
                     {"backend": "none", "rank": 0, "world_size": 1}))

@@ -3,9 +3,9 @@
     In [5]: %%profile
        ...: loss = loss_fn(model(x), y)
        ...: loss.backward()
-    %%profile In[5]: 1 run, wall 3.1 ms (profiled) | 24 ops | trace /tmp/tdm-profile-In5-....json
-    by line (each event goes to the innermost line of the cell that was running)
-    line  hits  wall    torch CPU  memory     code
+    %%profile In[5]: 1 run, wall 3.1 ms | 64 op calls | trace /tmp/tdm-profile-In5-....json
+    by line (each event goes to the innermost line of the cell running)
+    line  hits    wall  torch CPU  allocated  code
     ...
 
 Attribution. While the profiler records, a line tracer (`sys.settrace`, its
@@ -29,9 +29,10 @@ The profiler records CUDA only where CUDA was already up when recording began
 (a warm-up that starts it counts), so a cell that never touched CUDA never
 starts it; where CUDA ran but no device event came (CUPTI missing or refused),
 the overview says so and the device columns are left out, never zeros.
-kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr:
-they are caught at the file-descriptor level around start and stop, and
-whatever else was written there is passed on.
+kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr,
+and torch's allocator a warning about blocks made before the start: descriptor
+2 is caught from start to stop, those lines dropped and whatever else was
+written there passed on afterwards.
 """
 
 from __future__ import annotations

@@ -118,6 +118,12 @@ def test_the_trace_is_written_where_asked_and_stamped_rank_0(ip, tmp_path, capsy
         assert json.load(f)["distributedInfo"]["world_size"] == 1
 
 
+def test_a_trace_that_cannot_be_written_is_a_note_and_the_cell_still_ran(ip, tmp_path):
+    report = profile(ip, f"-o --trace {tmp_path}/no/such/dir/t.json", "made = torch.ones(2)")
+    assert report.trace_path is None and "made" in ip.user_ns
+    assert f"the trace could not be written to {tmp_path}/no/such/dir/t.json" in str(report)
+
+
 @pytest.mark.parametrize("error", [ZeroDivisionError, KeyboardInterrupt])
 def test_a_cell_that_raises_shows_its_traceback_and_a_partial_profile(ip, capsys, error):
     raising = "1 / 0" if error is ZeroDivisionError else "raise KeyboardInterrupt"

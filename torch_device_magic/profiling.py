@@ -864,6 +864,8 @@ class Capture:
             plain_from=self.plain_from, partial=why, notes=notes, profiler=prof, sort=opts.sort,
         )
     def _write_trace(self, prof: Any, notes: list[str]) -> str | None:
+        """Write the trace; kineto says a failure only on stderr, so the file is opened
+        here first, and kineto's lines are caught like its others."""
         path = self.options.trace
         try:
             if path is None:
@@ -872,9 +874,15 @@ class Capture:
                     suffix=".json")
                 os.close(fd)
             path = os.path.expanduser(path)
-            prof.export_chrome_trace(path)
+            with open(path, "w"):
+                pass
+            with quiet_stderr([]):
+                prof.export_chrome_trace(path)
+            if not os.path.getsize(path):
+                raise OSError("kineto wrote nothing")
         except (OSError, RuntimeError) as err:
-            notes.append(f"the trace could not be written to {path}: {err}")
+            why = getattr(err, "strerror", None) or err
+            notes.append(f"the trace could not be written to {path}: {why}")
             return None
         return path
 

@@ -209,6 +209,15 @@ def test_on_a_gpu_without_recorded_activity_there_is_one_line_and_no_device_colu
     assert all(r.device_s is None for r in report.lines + report.ops)
 
 
+def test_a_cell_that_starts_cuda_is_told_its_device_side_is_missing(ip, monkeypatch):
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    ip.user_ns["machine"] = machine
+    report = profile(ip, "-o", "machine.start_cuda()")
+    assert "CUDA started in this cell, after recording began" in str(report)
+    assert not report.analysis.device_recorded
+    assert "CUDA started" not in str(profile(ip, "-o", "y = 1"))  # the next cell records it
+
+
 # --- the device side, on plain events ---------------------------------------------------
 
 

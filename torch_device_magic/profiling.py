@@ -848,6 +848,9 @@ class Capture:
         analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
                            device_in_use=in_use)
         notes = _device_notes(analysis, events, heard, cuda)
+        if not cuda and runtime_up("cuda"):
+            notes.append("CUDA started in this cell, after recording began: its device "
+                         "activity is not in this profile (run the cell again, or --warmup 1)")
         if opts.sort == "device" and not analysis.device_recorded:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
         wall = measured.wall_s if measured is not None else max(

@@ -239,10 +239,10 @@ class CellReporter:
         self.history.append(record)
         if adopted is None and not self._profiled:
             source = getattr(info, "raw_cell", None)
-            if source:
-                plain = self._plain
-                plain[source.strip()] = (cell, record.wall_s)
-                plain.move_to_end(source.strip())
+            if source:  # for %%profile's overview: what the same code took unprofiled
+                plain, key = self._plain, source.strip()
+                plain[key] = (cell, record.wall_s)
+                plain.move_to_end(key)
                 if len(plain) > self.history.maxlen:
                     plain.popitem(last=False)
         if adopted is None and self.shows(record):

@@ -85,6 +85,8 @@ def test_sort_and_top_choose_the_op_table(ip):
     assert report.ops[0].allocated_bytes >= 4000 + 40  # ones(1000), ones(10)
     assert report.ops[0].allocated_bytes >= report.ops[1].allocated_bytes
     assert "top ops by memory allocated" in str(report)
+    html = report._repr_mimebundle_()["text/html"]  # Jupyter's rendering: the same tables
+    assert html.count("<table>") == 2 and "<b>by line" in html and "aten::empty" in html
 
 
 @pytest.mark.parametrize("line, message", [

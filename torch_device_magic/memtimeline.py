@@ -389,6 +389,7 @@ class Recorder:
         self.why: str | None = None  # why nothing is recorded
         self._done = self._read_once = False
         self._result: Timeline | None = None
+        self._snapshot: dict[str, Any] | None = None
 
     def _start(self) -> None:
         """Start recording (called with CUDA initialised); never raises."""
@@ -418,12 +419,17 @@ class Recorder:
             self._result, self._read_once = self._read(), True
         return self._result
 
-    def _read(self) -> Timeline | None:
+    def _take(self) -> None:
+        """The snapshot, as the block ends: the blocks in use then match the entries."""
         try:
-            snapshot = torch.cuda.memory._snapshot()
+            self._snapshot = torch.cuda.memory._snapshot()
         except Exception as exc:
             _log.debug("memory snapshot failed", exc_info=True)
             self.why = f"the allocator's snapshot could not be taken: {exc}"
+
+    def _read(self) -> Timeline | None:
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None:
             return None
         found = from_snapshot(snapshot, self.cell_filename, self.start_us, self.end_us,
                               max_entries=None if self.kept else self.max_entries)
@@ -477,6 +483,8 @@ def recording(cell_filename: str, *, max_entries: int = 100_000) -> Iterator[Rec
             _unqueue(queued)
             if not (rec.owned or rec.kept or rec.why):
                 rec.why = "the cell did not use CUDA"
+        if rec.owned or rec.kept:
+            rec._take()
         rec._stop()
 
 

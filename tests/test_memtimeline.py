@@ -67,6 +67,32 @@ def test_a_line_of_a_function_defined_in_the_cell_is_named_and_other_files_are_s
     assert lines[64 * 256 * 4] == 4
 
 
+def test_a_top_level_operator_has_no_line_on_the_stack_and_says_so():
+    source = "a = torch.ones(2**20)\nb = a * 2\n"
+    tl = from_profiler(profiled(source), CELL, source)
+    lines = {a.line for a in tl.largest if a.bytes == 4 * MiB}
+    assert lines == {1, None}  # torch.ones is a call of line 1; `a * 2` calls nothing
+    assert any(n.startswith("line ?: an allocation with no call of the cell's own")
+               for n in tl.notes)
+
+
+def test_the_line_ranges_of_profiles_tracer_name_the_line_even_of_an_operator():
+    """%%profile's line tracer opens a record_function range per line, named
+    `tdm:In[n] LINE: text` (a -f function's: `tdm:In[n] NAME LINE: text`); no Python stacks."""
+    rng = torch.autograd.profiler.record_function
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with rng("tdm:In[5] 1: a = torch.ones(2**20)"):
+            a = torch.ones(2**20)
+        with rng("tdm:In[5] 2: b = helper(a)"), rng("tdm:In[5] helper 40: return a * 2"):
+            b = a * 2
+    del a, b
+    tl = from_profiler(prof, CELL, "a = torch.ones(2**20)\nb = helper(a)\n")
+    assert [(a.bytes, a.line, a.text) for a in tl.largest[:2]] == [
+        (4 * MiB, 1, "a = torch.ones(2**20)"), (4 * MiB, 2, "b = helper(a)")]
+    assert not any("lines are unknown" in n for n in tl.notes)
+    assert 0 < tl.largest[0].at_s < tl.largest[1].at_s < tl.duration_s
+
+
 def test_the_profilers_stripped_filename_of_a_cell_still_matches(tmp_path, monkeypatch):
     """The profiler's tracer strips sys.path prefixes: IPython 9's kernel compiles cells
     as files under a folder that can be on sys.path."""

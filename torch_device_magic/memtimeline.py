@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,6 +56,8 @@ MAX_DRAWN = 300  # time buckets drawn (each keeps its low and its high)
 SPARK_WIDTH = 60
 _SLACK_US = 1000  # the allocator's clock is converted from TSC ticks: allow for its error
 _BARS = "▁▂▃▄▅▆▇█"
+LINE_RANGE_PREFIX = "tdm:"  # the names of %%profile's line ranges start with it
+_LINE_RANGE = re.compile(r"tdm:\S+ (\d+): ")
 
 
 @dataclass(frozen=True)
@@ -212,9 +215,13 @@ def _cell_names(cell_filename: str) -> frozenset[str]:
 def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     """The timeline of a `torch.profiler.profile(profile_memory=True, with_stack=True)` run.
 
-    The cell's time is the span of its own frames (its top-level code, run once or
-    `-n` times); without Python stacks, the span of the memory events. The device is
-    the accelerator that allocated the most, else the CPU; the others are named in a
+    An allocation goes to the cell's line innermost on its stack: the line of a call
+    made from the cell's code (its top level or a function it defines), or the line
+    range `%%profile`'s line tracer opened (`tdm:In[5] 3: ...`), which also covers
+    an operator at the top level (`a + b` calls no function the stack would show).
+    The cell's time is the span of its own frames or line ranges (run once or `-n`
+    times); without either, the span of the memory events. The device is the
+    accelerator that allocated the most, else the CPU; the others are named in a
     note. Times are seconds since the cell's first frame started.
     """
     names = _cell_names(cell_filename)
@@ -228,7 +235,7 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
         if kind == "_ExtraFields_Allocation":
             allocations.append(ev)
         site = getattr(fields, "callsite", None)  # a Python function's own frame
-        mine = site is not None and site.file_name in names
+        mine = (site is not None and site.file_name in names) or _range_line(ev) is not None
         if mine and not inside:
             spans.append((ev.start_time_ns, ev.end_time_ns))
         stack.extend((child, inside or mine) for child in reversed(ev.children))
@@ -238,7 +245,7 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
         t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
     elif allocations:
         t0, t1 = allocations[0].start_time_ns, allocations[-1].start_time_ns
-        notes.append("no Python frames of the cell were recorded (profile with with_stack=True): "
+        notes.append("no frames of the cell were recorded (profile with with_stack=True): "
                      "lines are unknown")
     else:
         t0 = t1 = 0
@@ -287,14 +294,29 @@ def _main_device(by_device: dict[str, list[Any]]) -> str:
 
 
 def _profiler_line(ev: Any, names: frozenset[str]) -> int | None:
-    """The line of the innermost call made from the cell's own code above `ev`."""
+    """The cell's line innermost above `ev`: a line range of `%%profile`'s tracer, or
+    the line of a call made from the cell's own code."""
     node = ev.parent
     while node is not None:
+        line = _range_line(node)
+        if line is not None:
+            return line
         caller = getattr(node.extra_fields, "caller", None)
         if caller is not None and caller.file_name in names:
             return int(caller.line_number)
         node = node.parent
     return None
+
+
+def _range_line(ev: Any) -> int | None:
+    """The cell's line a `record_function` range stands for, where it is one of the line
+    ranges `%%profile`'s tracer opens (`tdm:In[5] 3: text`; a `-f` function's lines,
+    `tdm:In[5] name 12: ...`, are not the cell's)."""
+    name = ev.name
+    if not name.startswith(LINE_RANGE_PREFIX):
+        return None
+    match = _LINE_RANGE.match(name)
+    return int(match.group(1)) if match else None
 
 
 # --- the CUDA allocator's history ---------------------------------------------------------

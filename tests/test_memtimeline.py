@@ -67,6 +67,13 @@ def test_a_line_of_a_function_defined_in_the_cell_is_named_and_other_files_are_s
     assert lines[64 * 256 * 4] == 4
 
 
+def test_a_line_run_many_times_is_listed_once_with_its_count():
+    source = "for n in range(1, 41):\n    t = torch.empty(n * 1024)\nlast = torch.empty(8)\n"
+    tl = from_profiler(profiled(source), CELL, source)
+    assert [(a.line, a.bytes, a.count) for a in tl.largest] == [(2, 40 * 4096, 40), (3, 32, 1)]
+    assert tl.allocations == 41
+
+
 def test_a_top_level_operator_has_no_line_on_the_stack_and_says_so():
     source = "a = torch.ones(2**20)\nb = a * 2\n"
     tl = from_profiler(profiled(source), CELL, source)
@@ -118,9 +125,10 @@ def test_the_chart_is_valid_svg_labelled_with_the_lines_and_the_text_is_compact(
     text = bundle["text/plain"].splitlines()
     assert text[0].startswith("memory timeline of cpu (profiler memory events): peak ")
     assert set(text[1].split("  ")[0]) <= set("▁▂▃▄▅▆▇█") and "█" in text[1]
-    assert text[2] == "largest allocations"
-    row = text[5].split()
-    assert row[:4] == ["64.0", "MiB", "2", row[3]] and text[5].endswith("del big")
+    assert text[2] == "largest allocations (the largest of each line)"
+    assert text[3].split() == ["size", "line", "at", "allocations", "source"]
+    assert text[5].split()[:3] == ["64.0", "MiB", "2"] and text[5].endswith("del big")
+    assert text[5].index("64.0 MiB") == text[6].index(" 4.0 KiB")  # aligned
 
 
 def _sawtooth(n: int) -> list[tuple[float, int]]:

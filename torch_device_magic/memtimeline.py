@@ -69,6 +69,7 @@ class Allocation:
     text: str  # that line's source, stripped ("" where unknown)
     at_s: float  # seconds since the timeline's start
     after_bytes: int  # allocated right after it (where the chart marks it)
+    count: int = 1  # how many allocations its line made in the cell
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Timeline:
 
     device: str
     points: list[tuple[float, int]]  # (seconds since the start, bytes allocated), in time order
-    largest: list[Allocation]
+    largest: list[Allocation]  # the largest of each line, largest first (LARGEST at most)
     source: str  # CUDA_SOURCE or PROFILER_SOURCE
     duration_s: float
     allocations: int  # how many allocations the cell made on `device`
@@ -112,14 +113,15 @@ class Timeline:
 
     def table(self) -> Table:
         rows = [
-            [fmt_bytes(a.bytes), "?" if a.line is None else a.line, fmt_seconds(a.at_s), a.text]
+            [fmt_bytes(a.bytes), "?" if a.line is None else a.line, fmt_seconds(a.at_s),
+             f"{a.count:,}", a.text]
             for a in self.largest
         ]
         notes = list(self.notes)
         if self.snapshot_path:
             notes.append(f"snapshot for pytorch.org/memory_viz: {self.snapshot_path}")
-        title = "largest allocations" if rows else ""
-        return Table(title, ["size", "line", "at", "source"], rows, notes)
+        title = "largest allocations (the largest of each line)" if rows else ""
+        return Table(title, ["size", "line", "at", "allocations", "source"], rows, notes)
 
     def sparkline(self, width: int = SPARK_WIDTH) -> str:
         """The allocated bytes as one line of block characters, each the high of its slice."""
@@ -171,10 +173,14 @@ def _timeline(
     points = [(0.0, start)] + [(c.t_s, c.total) for c in changes]
     points.append((duration_s, points[-1][1]))
     allocs = [c for c in changes if c.delta > 0]
-    top = sorted(allocs, key=lambda c: (-c.delta, c.t_s))[:LARGEST]
+    by_line: dict[int | None, list[_Change]] = {}
+    for c in allocs:
+        by_line.setdefault(c.line, []).append(c)
+    tops = [(min(cs, key=lambda c: (-c.delta, c.t_s)), len(cs)) for cs in by_line.values()]
+    tops.sort(key=lambda tc: (-tc[0].delta, tc[0].t_s))
     largest = [
-        Allocation(c.delta, c.line, "" if c.line is None else lines(c.line), c.t_s, c.total)
-        for c in top
+        Allocation(c.delta, c.line, "" if c.line is None else lines(c.line), c.t_s, c.total, n)
+        for c, n in tops[:LARGEST]
     ]
     return Timeline(device, points, largest, source, duration_s, len(allocs), notes=notes)
 
@@ -225,48 +231,32 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     note. Times are seconds since the cell's first frame started.
     """
     names = _cell_names(cell_filename)
-    allocations: list[Any] = []  # the events of kind Allocation
-    spans: list[tuple[int, int]] = []  # the cell's outermost frames
-    stack: list[tuple[Any, bool]] = [(e, False) for e in reversed(_event_tree(prof))]
-    while stack:
-        ev, inside = stack.pop()
-        fields = ev.extra_fields
-        kind = type(fields).__name__
-        if kind == "_ExtraFields_Allocation":
-            allocations.append(ev)
-        site = getattr(fields, "callsite", None)  # a Python function's own frame
-        mine = (site is not None and site.file_name in names) or _range_line(ev) is not None
-        if mine and not inside:
-            spans.append((ev.start_time_ns, ev.end_time_ns))
-        stack.extend((child, inside or mine) for child in reversed(ev.children))
-    allocations.sort(key=lambda e: e.start_time_ns)
+    allocations, spans = _walk(_event_tree(prof), names)
     notes: list[str] = []
     if spans:
         t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
     elif allocations:
-        t0, t1 = allocations[0].start_time_ns, allocations[-1].start_time_ns
+        t0, t1 = allocations[0].start_ns, allocations[-1].start_ns
         notes.append("no frames of the cell were recorded (profile with with_stack=True): "
                      "lines are unknown")
     else:
         t0 = t1 = 0
-    within = [e for e in allocations if t0 <= e.start_time_ns <= t1]
-    by_device: dict[str, list[Any]] = {}
-    for ev in within:
-        by_device.setdefault(str(ev.extra_fields.device), []).append(ev)
-    device = _main_device(by_device)
-    events = by_device.get(device, [])
     if not allocations:
         notes.append("no memory events were recorded (profile with profile_memory=True)")
-    for other, evs in sorted(by_device.items()):
+    by_device: dict[str, list[_Memory]] = {}
+    for m in allocations:
+        if t0 <= m.start_ns <= t1:
+            by_device.setdefault(m.device, []).append(m)
+    device = _main_device(by_device)
+    for other, ms in sorted(by_device.items()):
         if other != device:
-            size = sum(e.extra_fields.alloc_size for e in evs if e.extra_fields.alloc_size > 0)
-            notes.append(f"{other} also allocated {fmt_bytes(size)} in "
-                         f"{plural(sum(e.extra_fields.alloc_size > 0 for e in evs), 'allocation')}")
+            made = [m.size for m in ms if m.size > 0]
+            notes.append(f"{other} also allocated {fmt_bytes(sum(made))} in "
+                         f"{plural(len(made), 'allocation')}")
     changes = [
-        _Change((e.start_time_ns - t0) / 1e9, int(e.extra_fields.alloc_size),
-                int(e.extra_fields.total_allocated),
-                _profiler_line(e, names) if e.extra_fields.alloc_size > 0 else None)
-        for e in events
+        _Change((m.start_ns - t0) / 1e9, m.size, m.total,
+                _profiler_line(m.event, names) if m.size > 0 else None)
+        for m in by_device.get(device, [])
     ]
     start = changes[0].total - changes[0].delta if changes else 0
     if any(c.line is None and c.delta > 0 for c in changes) and spans:
@@ -276,6 +266,49 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
                      _source_lines(cell_filename, cell_source), notes)
 
 
+@dataclass(frozen=True)
+class _Memory:
+    """One `[memory]` event, read once (each attribute read of an event crosses pybind)."""
+
+    start_ns: int
+    size: int  # + allocated, - freed
+    total: int  # the allocator's bytes allocated after it
+    device: str
+    event: Any
+
+
+def _walk(tree: list[Any], names: frozenset[str]) -> tuple[list[_Memory], list[tuple[int, int]]]:
+    """The memory events in time order, and the spans of the cell's outermost frames or
+    line ranges."""
+    from torch._C._profiler import _EventType
+
+    allocation, pycall, op = _EventType.Allocation, _EventType.PyCall, _EventType.TorchOp
+    memory: list[_Memory] = []
+    spans: list[tuple[int, int]] = []
+    stack: list[tuple[Any, bool]] = [(e, False) for e in reversed(tree)]
+    while stack:
+        ev, inside = stack.pop()
+        tag = ev.tag
+        mine = False
+        if tag == allocation:
+            f = ev.extra_fields
+            memory.append(_Memory(ev.start_time_ns, int(f.alloc_size), int(f.total_allocated),
+                                  str(f.device), ev))
+            continue
+        if tag == pycall:  # a Python function's own frame
+            mine = ev.extra_fields.callsite.file_name in names
+        elif tag == op:
+            mine = _range_line(ev) is not None
+        if mine and not inside:
+            spans.append((ev.start_time_ns, ev.end_time_ns))
+        children = ev.children
+        if children:
+            inside = inside or mine
+            stack.extend((child, inside) for child in reversed(children))
+    memory.sort(key=lambda m: m.start_ns)
+    return memory, spans
+
+
 def _event_tree(prof: Any) -> list[Any]:
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is None:
@@ -283,9 +316,9 @@ def _event_tree(prof: Any) -> list[Any]:
     return list(results.experimental_event_tree())
 
 
-def _main_device(by_device: dict[str, list[Any]]) -> str:
+def _main_device(by_device: dict[str, list[_Memory]]) -> str:
     def allocated(dev: str) -> int:
-        return sum(max(0, e.extra_fields.alloc_size) for e in by_device[dev])
+        return sum(max(0, m.size) for m in by_device[dev])
 
     accelerators = [d for d in by_device if not d.startswith("cpu")]
     if accelerators:
@@ -296,14 +329,20 @@ def _main_device(by_device: dict[str, list[Any]]) -> str:
 def _profiler_line(ev: Any, names: frozenset[str]) -> int | None:
     """The cell's line innermost above `ev`: a line range of `%%profile`'s tracer, or
     the line of a call made from the cell's own code."""
+    from torch._C._profiler import _EventType
+
+    calls, op = (_EventType.PyCall, _EventType.PyCCall), _EventType.TorchOp
     node = ev.parent
     while node is not None:
-        line = _range_line(node)
-        if line is not None:
-            return line
-        caller = getattr(node.extra_fields, "caller", None)
-        if caller is not None and caller.file_name in names:
-            return int(caller.line_number)
+        tag = node.tag
+        if tag == op:
+            line = _range_line(node)
+            if line is not None:
+                return line
+        elif tag in calls:
+            caller = node.extra_fields.caller
+            if caller.file_name in names:
+                return int(caller.line_number)
         node = node.parent
     return None
 
@@ -660,7 +699,8 @@ def render_svg(tl: Timeline) -> str:
         hover = f"line {where}: {a.text}" if a.text else label
         out.append(f'<g class="tdm-alloc"><title>{esc(hover)}</title>'
                    f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="#d62728"/>'
-                   f'<text x="{cx + dx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" fill="#d62728">'
+                   f'<text x="{cx + dx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" fill="#d62728" '
+                   f'stroke="#fff" stroke-width="3" paint-order="stroke">'
                    f"{esc(label)}</text></g>")
     out.append("</svg>")
     return "".join(out)

@@ -299,7 +299,8 @@ def test_recording_records_the_block_alone_and_saves_a_loadable_snapshot(monkeyp
     fake = FakeHistory().install(monkeypatch)
     kept = fake.alloc(MiB, 1)  # before the block: not recorded, but held
     with recording(CELL, max_entries=5000) as rec:
-        assert fake.calls == [("all", {"stacks": "python", "max_entries": 5000})]
+        assert fake.calls == [
+            ("all", {"context": "alloc", "stacks": "python", "max_entries": 5000})]
         big = fake.alloc(64 * MiB, 2)
         fake.free(big)
         fake.alloc(MiB // 2, 3)
@@ -328,6 +329,18 @@ def test_recording_stops_however_the_block_ends(monkeypatch, raised):
     assert tl is not None and tl.largest[0].line == 2
 
 
+def test_a_ctrl_c_during_the_snapshot_still_stops_the_recording(monkeypatch):
+    fake = FakeHistory().install(monkeypatch)
+
+    def interrupted() -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", interrupted)
+    with pytest.raises(KeyboardInterrupt), recording(CELL):
+        fake.alloc(MiB, 2)
+    assert not fake.enabled and fake.calls[-1] == (None, {})
+
+
 def test_the_users_own_recording_is_kept_running_and_read(monkeypatch):
     fake = FakeHistory(enabled=True).install(monkeypatch)
     with recording(CELL) as rec:
@@ -346,7 +359,8 @@ def test_a_cell_that_initialises_cuda_is_recorded_from_its_initialisation(monkey
         assert fake.calls == []  # nothing asked of CUDA before it starts
         fake.init()
         fake.alloc(3 * MiB, 2)
-    assert fake.calls == [("all", {"stacks": "python", "max_entries": 100_000}), (None, {})]
+    assert fake.calls == [
+        ("all", {"context": "alloc", "stacks": "python", "max_entries": 100_000}), (None, {})]
     assert torch.cuda._queued_calls == queued
     tl = rec.timeline()
     assert tl is not None and (tl.largest[0].bytes, tl.largest[0].line) == (3 * MiB, 2)

@@ -400,6 +400,9 @@ def from_snapshot(
         total += delta
         changes.append(_Change(max(0.0, (entry["time_us"] - start_us) / 1e6), delta, total,
                                _frame_line(entry, names) if delta > 0 else None))
+    if changes and all(c.line is None for c in changes if c.delta > 0):
+        notes.append("no allocation has a frame of the cell: lines are unknown (a recording "
+                     "without Python stacks?)")
     if max_entries is not None and len(trace) >= max_entries and trace[0].get("time_us", 0) > lo:
         notes.append(f"the history keeps {max_entries:,} entries: the start of the cell is "
                      "missing (record with a larger max_entries)")
@@ -455,11 +458,12 @@ class Recorder:
     def _start(self) -> None:
         """Start recording (called with CUDA initialised); never raises."""
         try:
-            if torch._C._cuda_isHistoryEnabled():
+            if getattr(torch._C, "_cuda_isHistoryEnabled", bool)():
                 self.kept = True
                 return
+            # Python stacks of allocations only: a free's stack would double the cost
             torch.cuda.memory._record_memory_history(
-                "all", stacks="python", max_entries=self.max_entries)
+                "all", context="alloc", stacks="python", max_entries=self.max_entries)
             self.owned = True
         except Exception as exc:
             _log.debug("memory history not started", exc_info=True)
@@ -544,9 +548,11 @@ def recording(cell_filename: str, *, max_entries: int = 100_000) -> Iterator[Rec
             _unqueue(queued)
             if not (rec.owned or rec.kept or rec.why):
                 rec.why = "the cell did not use CUDA"
-        if rec.owned or rec.kept:
-            rec._take()
-        rec._stop()
+        try:
+            if rec.owned or rec.kept:
+                rec._take()
+        finally:  # a second Ctrl-C during the snapshot still stops the recording
+            rec._stop()
 
 
 def _queue_at_init(call: Callable[[], None]) -> None:

@@ -79,8 +79,17 @@ def test_a_top_level_operator_has_no_line_on_the_stack_and_says_so():
     tl = from_profiler(profiled(source), CELL, source)
     lines = {a.line for a in tl.largest if a.bytes == 4 * MiB}
     assert lines == {1, None}  # torch.ones is a call of line 1; `a * 2` calls nothing
-    assert any(n.startswith("line ?: an allocation with no call of the cell's own")
+    assert any(n.startswith("line ?: an allocation while no call of the cell's own was running")
                for n in tl.notes)
+
+
+def test_an_allocation_off_the_cells_stack_goes_to_the_innermost_call_running_then():
+    """As backward on a GPU runs in autograd's own thread (the profiler records a plain
+    Python thread's allocations not at all, so this is the sweep alone; the GPU test
+    below runs it for real): spans (start, end, line) of the cell's calls, nested."""
+    spans = [(0, 100, 4), (10, 20, 5), (30, 90, 6), (40, 50, 7), (120, 130, 8)]
+    assert memtimeline._open_line([5, 15, 25, 45, 60, 95, 125, 200], spans) == [
+        4, 5, 4, 7, 6, 4, 8, None]
 
 
 def test_the_line_ranges_of_profiles_tracer_name_the_line_even_of_an_operator():
@@ -412,6 +421,24 @@ def test_cuda_recording_of_a_real_cell():
     assert tl.largest[1].line == 3 and tl.end_bytes - tl.start_bytes == 4096
     with open(tl.snapshot_path, "rb") as f:
         assert pickle.load(f)["device_traces"]
+
+
+@pytest.mark.cuda
+def test_backward_on_the_gpu_is_attributed_to_its_line_from_autograds_thread():
+    source = (
+        "model = torch.nn.Linear(1024, 4096, device='cuda')\n"
+        "loss = model(torch.randn(512, 1024, device='cuda')).square().mean()\n"
+        "loss.backward()\n"
+    )
+    code = compile(source, CELL, "exec")
+    torch.ones(1, device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True,
+                 with_stack=True) as prof:
+        exec(code, {"torch": torch})
+    tl = from_profiler(prof, CELL, source)
+    assert tl.device.startswith("cuda")
+    lines = {a.line: a.bytes for a in tl.largest}
+    assert lines.get(3, 0) >= 4096 * 1024 * 4  # the weight's gradient, made by backward
 
 
 @pytest.mark.cuda

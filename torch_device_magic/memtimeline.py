@@ -54,6 +54,7 @@ LARGEST = 5  # allocations listed in the table
 LABELLED = 3  # of which labelled on the chart
 MAX_DRAWN = 300  # time buckets drawn (each keeps its low and its high)
 SPARK_WIDTH = 60
+SOURCE_WIDTH = 60  # of a line's source in the table (the chart's hover shows all of it)
 _SLACK_US = 1000  # the allocator's clock is converted from TSC ticks: allow for its error
 _BARS = "▁▂▃▄▅▆▇█"
 LINE_RANGE_PREFIX = "tdm:"  # the names of %%profile's line ranges start with it
@@ -112,9 +113,12 @@ class Timeline:
         )
 
     def table(self) -> Table:
+        def short(text: str) -> str:
+            return text if len(text) <= SOURCE_WIDTH else text[:SOURCE_WIDTH - 1] + "…"
+
         rows = [
             [fmt_bytes(a.bytes), "?" if a.line is None else a.line, fmt_seconds(a.at_s),
-             f"{a.count:,}", a.text]
+             f"{a.count:,}", short(a.text)]
             for a in self.largest
         ]
         notes = list(self.notes)
@@ -231,7 +235,8 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     note. Times are seconds since the cell's first frame started.
     """
     names = _cell_names(cell_filename)
-    allocations, spans = _walk(_event_tree(prof), names)
+    tree = _event_tree(prof)
+    allocations, spans = _walk(tree, names)
     notes: list[str] = []
     if spans:
         t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
@@ -253,14 +258,18 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
             made = [m.size for m in ms if m.size > 0]
             notes.append(f"{other} also allocated {fmt_bytes(sum(made))} in "
                          f"{plural(len(made), 'allocation')}")
-    changes = [
-        _Change((m.start_ns - t0) / 1e9, m.size, m.total,
-                _profiler_line(m.event, names) if m.size > 0 else None)
-        for m in by_device.get(device, [])
-    ]
+    mine = by_device.get(device, [])
+    lines = [_profiler_line(m.event, names) if m.size > 0 else None for m in mine]
+    orphans = [i for i, line in enumerate(lines) if line is None and mine[i].size > 0]
+    if orphans and spans:  # made on another thread (backward on a GPU), or by an operator
+        found = _open_line([mine[i].start_ns for i in orphans], _call_spans(tree, names))
+        for i, line in zip(orphans, found):
+            lines[i] = line
+    changes = [_Change((m.start_ns - t0) / 1e9, m.size, m.total, line)
+               for m, line in zip(mine, lines)]
     start = changes[0].total - changes[0].delta if changes else 0
     if any(c.line is None and c.delta > 0 for c in changes) and spans:
-        notes.append("line ?: an allocation with no call of the cell's own on its stack "
+        notes.append("line ?: an allocation while no call of the cell's own was running "
                      "(an operator such as a + b at the top level); the CUDA history has them")
     return _timeline(device, changes, start, (t1 - t0) / 1e9, PROFILER_SOURCE,
                      _source_lines(cell_filename, cell_source), notes)
@@ -345,6 +354,49 @@ def _profiler_line(ev: Any, names: frozenset[str]) -> int | None:
                 return int(caller.line_number)
         node = node.parent
     return None
+
+
+def _call_spans(tree: list[Any], names: frozenset[str]) -> list[tuple[int, int, int]]:
+    """(start, end, line) of every call made from the cell's code and of every line
+    range, in the order they start."""
+    from torch._C._profiler import _EventType
+
+    calls, op = (_EventType.PyCall, _EventType.PyCCall), _EventType.TorchOp
+    out: list[tuple[int, int, int]] = []
+    stack = list(tree)
+    while stack:
+        ev = stack.pop()
+        tag = ev.tag
+        line: int | None = None
+        if tag in calls:
+            caller = ev.extra_fields.caller
+            if caller.file_name in names:
+                line = int(caller.line_number)
+        elif tag == op:
+            line = _range_line(ev)
+        if line is not None:
+            out.append((ev.start_time_ns, ev.end_time_ns, line))
+        stack.extend(ev.children)
+    out.sort(key=lambda s: (s[0], -s[1]))
+    return out
+
+
+def _open_line(times: list[int], spans: list[tuple[int, int, int]]) -> list[int | None]:
+    """For each time (ascending), the line of the innermost span open then: spans of one
+    thread nest, so a sweep with a stack of the open ones finds it."""
+    out: list[int | None] = []
+    open_: list[tuple[int, int, int]] = []
+    k = 0
+    for t in times:
+        while k < len(spans) and spans[k][0] <= t:
+            while open_ and open_[-1][1] < spans[k][0]:
+                open_.pop()
+            open_.append(spans[k])
+            k += 1
+        while open_ and open_[-1][1] < t:
+            open_.pop()
+        out.append(open_[-1][2] if open_ else None)
+    return out
 
 
 def _range_line(ev: Any) -> int | None:

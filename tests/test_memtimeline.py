@@ -250,6 +250,30 @@ def test_the_cells_part_of_a_cuda_snapshot_is_sliced_out_and_attributed():
     assert sliced["segments"] == fake_snapshot()["segments"]
 
 
+def test_an_allocation_with_no_frame_of_the_cell_gets_the_line_last_seen_marked():
+    """Backward on a GPU allocates in autograd's device thread, whose Python stack is
+    empty: the line the cell was last seen on (`loss.backward()` made the first gradient
+    on the cell's own thread), marked with a star."""
+    trace = [
+        entry("alloc", 0x100, 4096, T0 + 10, frames(4)),  # the loss's grad, on the cell's thread
+        entry("alloc", 0x200, 16 * MiB, T0 + 20, []),  # a weight's gradient, off it
+        entry("alloc", 0x300, 1024, T0 + 30, frames(5)),
+    ]
+    blocks = [block(0x100, 4096), block(0x200, 16 * MiB), block(0x300, 1024)]
+    found = from_snapshot({"segments": [{"device": 0, "blocks": blocks}],
+                           "device_traces": [trace]}, CELL, T0, T0 + 40,
+                          cell_source="a\nb\nc\nloss.backward()\nopt.step()\n")
+    assert found is not None
+    tl = found[0]
+    top = tl.largest[0]
+    assert (top.bytes, top.line, top.inferred, top.line_label, top.text) == (
+        16 * MiB, 4, True, "4*", "loss.backward()")
+    assert [a.line_label for a in tl.largest] == ["4*", "5"]  # line 4's largest stands for it
+    assert any(n.startswith("*: made with no frame of the cell") for n in tl.table().notes)
+    labels = [t.text for t in ET.fromstring(tl.svg()).iter(f"{SVG}text")]
+    assert "line 4*: 16.0 MiB" in labels
+
+
 def test_a_snapshot_with_no_allocation_in_the_cell_gives_nothing():
     assert from_snapshot(fake_snapshot(), CELL, T0 + 1_000_000, T0 + 2_000_000) is None
 
@@ -439,6 +463,22 @@ def test_backward_on_the_gpu_is_attributed_to_its_line_from_autograds_thread():
     assert tl.device.startswith("cuda")
     lines = {a.line: a.bytes for a in tl.largest}
     assert lines.get(3, 0) >= 4096 * 1024 * 4  # the weight's gradient, made by backward
+
+
+@pytest.mark.cuda
+def test_cuda_recording_puts_backwards_gradients_on_the_backward_line():
+    source = (
+        "model = torch.nn.Linear(1024, 4096, bias=False, device='cuda')\n"
+        "loss = model(torch.randn(8, 1024, device='cuda')).square().mean()\n"
+        "loss.backward()\n"
+    )
+    torch.ones(1, device="cuda")
+    with recording(CELL) as rec:
+        run_on_cuda(source)
+    tl = rec.timeline()
+    assert tl is not None
+    grad = [a for a in tl.largest if a.line == 3]
+    assert grad and grad[0].bytes >= 4096 * 1024 * 4
 
 
 @pytest.mark.cuda

@@ -71,6 +71,12 @@ class Allocation:
     at_s: float  # seconds since the timeline's start
     after_bytes: int  # allocated right after it (where the chart marks it)
     count: int = 1  # how many allocations its line made in the cell
+    inferred: bool = False  # made with no frame of the cell (another thread): see `line_label`
+
+    @property
+    def line_label(self) -> str:
+        """`12`, `12*` where the line is the one the cell was last seen on, or `?`."""
+        return "?" if self.line is None else f"{self.line}{'*' if self.inferred else ''}"
 
 
 @dataclass
@@ -117,11 +123,15 @@ class Timeline:
             return text if len(text) <= SOURCE_WIDTH else text[:SOURCE_WIDTH - 1] + "…"
 
         rows = [
-            [fmt_bytes(a.bytes), "?" if a.line is None else a.line, fmt_seconds(a.at_s),
+            [fmt_bytes(a.bytes), a.line_label, fmt_seconds(a.at_s),
              f"{a.count:,}", short(a.text)]
             for a in self.largest
         ]
         notes = list(self.notes)
+        if any(a.inferred for a in self.largest):
+            notes.append("*: made with no frame of the cell on its stack (another thread: "
+                         "backward runs in autograd's device thread): the line the cell was "
+                         "last seen on")
         if self.snapshot_path:
             notes.append(f"snapshot for pytorch.org/memory_viz: {self.snapshot_path}")
         title = "largest allocations (the largest of each line)" if rows else ""
@@ -168,6 +178,7 @@ class _Change:
     delta: int  # + allocated, - freed
     total: int  # allocated after it
     line: int | None
+    inferred: bool = False  # the line the cell was last seen on, not a frame of it
 
 
 def _timeline(
@@ -183,7 +194,8 @@ def _timeline(
     tops = [(min(cs, key=lambda c: (-c.delta, c.t_s)), len(cs)) for cs in by_line.values()]
     tops.sort(key=lambda tc: (-tc[0].delta, tc[0].t_s))
     largest = [
-        Allocation(c.delta, c.line, "" if c.line is None else lines(c.line), c.t_s, c.total, n)
+        Allocation(c.delta, c.line, "" if c.line is None else lines(c.line), c.t_s, c.total, n,
+                   c.inferred)
         for c, n in tops[:LARGEST]
     ]
     return Timeline(device, points, largest, source, duration_s, len(allocs), notes=notes)
@@ -441,6 +453,7 @@ def from_snapshot(
     changes: list[_Change] = []
     total = start
     notes: list[str] = []
+    seen: int | None = None  # the cell's line of the latest allocation with its frame
     for entry, delta in zip(trace[first:], deltas[first:]):
         if entry.get("time_us", 0) > hi:
             break
@@ -450,9 +463,15 @@ def from_snapshot(
         if not delta:
             continue
         total += delta
+        line = _frame_line(entry, names) if delta > 0 else None
+        inferred = delta > 0 and line is None and seen is not None
+        if inferred:
+            line = seen
+        elif line is not None:
+            seen = line
         changes.append(_Change(max(0.0, (entry["time_us"] - start_us) / 1e6), delta, total,
-                               _frame_line(entry, names) if delta > 0 else None))
-    if changes and all(c.line is None for c in changes if c.delta > 0):
+                               line, inferred))
+    if changes and all(c.line is None or c.inferred for c in changes if c.delta > 0):
         notes.append("no allocation has a frame of the cell: lines are unknown (a recording "
                      "without Python stacks?)")
     if max_entries is not None and len(trace) >= max_entries and trace[0].get("time_us", 0) > lo:
@@ -746,7 +765,7 @@ def render_svg(tl: Timeline) -> str:
     placed: list[tuple[float, float]] = []
     for a in tl.largest[:LABELLED]:
         cx, cy = x(a.at_s), y(a.after_bytes)
-        where = "?" if a.line is None else str(a.line)
+        where = a.line_label
         label = f"line {where}: {fmt_bytes(a.bytes)}"
         ty = max(cy - 6, _TOP + 10)
         while any(abs(ty - py) < 12 and abs(cx - px) < 160 for px, py in placed):

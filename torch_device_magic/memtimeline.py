@@ -248,10 +248,10 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     """
     names = _cell_names(cell_filename)
     tree = _event_tree(prof)
-    allocations, spans = _walk(tree, names)
+    allocations, span = _walk(tree, names)
     notes: list[str] = []
-    if spans:
-        t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
+    if span:
+        t0, t1 = span
     elif allocations:
         t0, t1 = allocations[0].start_ns, allocations[-1].start_ns
         notes.append("no frames of the cell were recorded (profile with with_stack=True): "
@@ -273,14 +273,14 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     mine = by_device.get(device, [])
     lines = [_profiler_line(m.event, names) if m.size > 0 else None for m in mine]
     orphans = [i for i, line in enumerate(lines) if line is None and mine[i].size > 0]
-    if orphans and spans:  # made on another thread (backward on a GPU), or by an operator
+    if orphans and span:  # made on another thread (backward on a GPU), or by an operator
         found = _open_line([mine[i].start_ns for i in orphans], _call_spans(tree, names))
         for i, line in zip(orphans, found):
             lines[i] = line
     changes = [_Change((m.start_ns - t0) / 1e9, m.size, m.total, line)
                for m, line in zip(mine, lines)]
     start = changes[0].total - changes[0].delta if changes else 0
-    if any(c.line is None and c.delta > 0 for c in changes) and spans:
+    if any(c.line is None and c.delta > 0 for c in changes) and span:
         notes.append("line ?: an allocation while no call of the cell's own was running "
                      "(an operator such as a + b at the top level); the CUDA history has them")
     return _timeline(device, changes, start, (t1 - t0) / 1e9, PROFILER_SOURCE,
@@ -298,36 +298,32 @@ class _Memory:
     event: Any
 
 
-def _walk(tree: list[Any], names: frozenset[str]) -> tuple[list[_Memory], list[tuple[int, int]]]:
-    """The memory events in time order, and the spans of the cell's outermost frames or
-    line ranges."""
+def _walk(tree: list[Any], names: frozenset[str]) -> tuple[list[_Memory], tuple[int, int] | None]:
+    """The memory events in time order, and the span from the first of the cell's frames
+    or line ranges to start to the last to end (None where there are none)."""
     from torch._C._profiler import _EventType
 
     allocation, pycall, op = _EventType.Allocation, _EventType.PyCall, _EventType.TorchOp
+    heads = tuple(f"{n}(" for n in names)  # a Python frame's event is named `file(line): name`
     memory: list[_Memory] = []
-    spans: list[tuple[int, int]] = []
-    stack: list[tuple[Any, bool]] = [(e, False) for e in reversed(tree)]
+    first, last = None, None
+    stack = list(tree)
     while stack:
-        ev, inside = stack.pop()
+        ev = stack.pop()
         tag = ev.tag
-        mine = False
         if tag == allocation:
             f = ev.extra_fields
             memory.append(_Memory(ev.start_time_ns, int(f.alloc_size), int(f.total_allocated),
                                   str(f.device), ev))
             continue
-        if tag == pycall:  # a Python function's own frame
-            mine = ev.extra_fields.callsite.file_name in names
-        elif tag == op:
-            mine = _range_line(ev) is not None
-        if mine and not inside:
-            spans.append((ev.start_time_ns, ev.end_time_ns))
-        children = ev.children
-        if children:
-            inside = inside or mine
-            stack.extend((child, inside) for child in reversed(children))
+        if (tag == pycall and ev.name.startswith(heads)) or (
+                tag == op and _range_line(ev) is not None):
+            start, end = ev.start_time_ns, ev.end_time_ns
+            first = start if first is None else min(first, start)
+            last = end if last is None else max(last, end)
+        stack.extend(ev.children)
     memory.sort(key=lambda m: m.start_ns)
-    return memory, spans
+    return memory, None if first is None or last is None else (first, last)
 
 
 def _event_tree(prof: Any) -> list[Any]:

@@ -109,6 +109,24 @@ def test_the_line_ranges_of_profiles_tracer_name_the_line_even_of_an_operator():
     assert 0 < tl.largest[0].at_s < tl.largest[1].at_s < tl.duration_s
 
 
+def test_a_cell_compiled_as_ipython_compiles_it_is_found_by_its_filename(ip):
+    """The filename IPython gives a cell (`<ipython-input-…>` in 7.34, a file path in 9),
+    its top-level code and its trailing expression (compiled apart, for `Out[n]`)."""
+    import inspect
+
+    from torch_device_magic import cells
+
+    cell = BIG_THEN_SMALL + "torch.zeros(2**18).sum()\n"
+    ip.user_ns["torch"] = torch
+    run = cells.compiled(ip, cell)
+    filename = inspect.getclosurevars(run).nonlocals["body"].co_filename
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        run()
+    tl = from_profiler(prof, filename, cell)
+    assert [(a.bytes, a.line) for a in tl.largest[:3]] == [
+        (64 * MiB, 2), (MiB, 4), (4096, 3)]
+
+
 def test_the_profilers_stripped_filename_of_a_cell_still_matches(tmp_path, monkeypatch):
     """The profiler's tracer strips sys.path prefixes: IPython 9's kernel compiles cells
     as files under a folder that can be on sys.path."""
@@ -372,6 +390,23 @@ def test_a_ctrl_c_during_the_snapshot_still_stops_the_recording(monkeypatch):
     with pytest.raises(KeyboardInterrupt), recording(CELL):
         fake.alloc(MiB, 2)
     assert not fake.enabled and fake.calls[-1] == (None, {})
+
+
+def test_an_allocator_that_cannot_record_leaves_the_cell_alone_and_says_why(monkeypatch):
+    fake = FakeHistory().install(monkeypatch)
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        fake.calls.append(("refused", kwargs))
+        raise RuntimeError("cudaMallocAsync does not yet support recordHistory. "
+                           "If you need it, please file an issue describing your use case.")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", refused)
+    with recording(CELL) as rec:
+        fake.alloc(MiB, 2)
+    assert len(fake.calls) == 1  # tried once, never "stopped"
+    assert rec.timeline() is None
+    assert rec.why == ("the allocator's history could not be recorded: cudaMallocAsync "
+                       "does not yet support recordHistory")
 
 
 def test_the_users_own_recording_is_kept_running_and_read(monkeypatch):

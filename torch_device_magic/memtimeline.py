@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from . import probes
+from .errors import first_sentence
 from .reports import Table
 from .units import fmt_bytes, fmt_seconds, plural
 
@@ -534,7 +535,7 @@ class Recorder:
             self.owned = True
         except Exception as exc:
             _log.debug("memory history not started", exc_info=True)
-            self.why = f"the allocator's history could not be recorded: {exc}"
+            self.why = f"the allocator's history could not be recorded: {first_sentence(exc)}"
 
     def _stop(self) -> None:
         if self.owned:
@@ -557,7 +558,7 @@ class Recorder:
             self._snapshot = torch.cuda.memory._snapshot()
         except Exception as exc:
             _log.debug("memory snapshot failed", exc_info=True)
-            self.why = f"the allocator's snapshot could not be taken: {exc}"
+            self.why = f"the allocator's snapshot could not be taken: {first_sentence(exc)}"
 
     def _read(self) -> Timeline | None:
         snapshot, self._snapshot = self._snapshot, None

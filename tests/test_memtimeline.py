@@ -79,7 +79,7 @@ def test_a_top_level_operator_has_no_line_on_the_stack_and_says_so():
     tl = from_profiler(profiled(source), CELL, source)
     lines = {a.line for a in tl.largest if a.bytes == 4 * MiB}
     assert lines == {1, None}  # torch.ones is a call of line 1; `a * 2` calls nothing
-    assert any(n.startswith("line ?: an allocation while no call of the cell's own was running")
+    assert any(n.startswith("line ?: made while no call of the cell's own was running")
                for n in tl.notes)
 
 

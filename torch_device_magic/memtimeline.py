@@ -3,21 +3,28 @@
 Two sources, one result (`Timeline`):
 
 - **CUDA**: `recording(cell_filename)` records the caching allocator's history
-  (`torch.cuda.memory._record_memory_history(max_entries=..., stacks="python")`) for
-  the block alone; `Recorder.timeline()` then takes `torch.cuda.memory._snapshot()`,
-  slices the block's entries out by their `time_us`, and saves that slice as a
-  snapshot pickle for pytorch.org/memory_viz. CUDA is never started here: recording
-  starts at once where CUDA is already initialised, and where the block initialises
-  it, at its initialisation (queued with `torch.cuda._lazy_call`, as torch queues its
-  own calls), so the cell's first allocation is recorded too. A recording the user
-  started is kept as it is: the timeline is its part during the block, and it is not
-  stopped.
-- **Any device** (the CPU, the test device): `from_profiler(prof, ...)` reads the
+  (`torch.cuda.memory._record_memory_history(max_entries=..., context="alloc",
+  stacks="python")`) for the block alone and takes `torch.cuda.memory._snapshot()`
+  as the block ends; `Recorder.timeline()` slices the block's entries out of it by
+  their `time_us` and saves that slice as a snapshot pickle for
+  pytorch.org/memory_viz. CUDA is never started here: recording starts at once
+  where CUDA is already initialised, and where the block initialises it, at its
+  initialisation (queued with `torch.cuda._lazy_call`, as torch queues its own
+  calls), so the cell's first allocation is recorded too. A recording the user
+  started is kept as it is: the timeline is its part during the block, and it is
+  not stopped.
+- **Any device** (the CPU, an accelerator whose allocator reports to the profiler):
+  `from_profiler(prof, ...)` reads the
   `[memory]` events of a `torch.profiler.profile(profile_memory=True,
-  with_stack=True)` run, each with its Python caller.
+  with_stack=True)` run, each with its Python caller, or with the per-line
+  `record_function` ranges `%%profile`'s line tracer opens.
 
 An allocation is attributed to the innermost frame of the cell's own file (so the
 lines of functions defined in the cell count; frames of other files are skipped).
+One with no such frame (backward in autograd's device thread on a GPU) goes, from
+the profiler, to the innermost call of the cell running at that moment; from the
+CUDA history, which has no spans, to the line the cell was last seen on, marked
+`12*`.
 The timeline draws as an SVG of our own (no matplotlib, nothing loaded from a
 CDN: torch's `_memory_viz` page shows nothing offline) and as a one-line sparkline
 with a table in the terminal.
@@ -281,11 +288,12 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     changes = [_Change((m.start_ns - t0) / 1e9, m.size, m.total, line)
                for m, line in zip(mine, lines)]
     start = changes[0].total - changes[0].delta if changes else 0
-    if any(c.line is None and c.delta > 0 for c in changes) and span:
-        notes.append("line ?: an allocation while no call of the cell's own was running "
-                     "(an operator such as a + b at the top level); the CUDA history has them")
-    return _timeline(device, changes, start, (t1 - t0) / 1e9, PROFILER_SOURCE,
-                     _source_lines(cell_filename, cell_source), notes)
+    timeline = _timeline(device, changes, start, (t1 - t0) / 1e9, PROFILER_SOURCE,
+                         _source_lines(cell_filename, cell_source), notes)
+    if span and any(a.line is None for a in timeline.largest):
+        notes.append("line ?: made while no call of the cell's own was running (an operator "
+                     "such as a + b at the top level); the CUDA history has its line")
+    return timeline
 
 
 @dataclass(frozen=True)

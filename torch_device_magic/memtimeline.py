@@ -14,10 +14,10 @@ Two sources, one result (`Timeline`):
   started is kept as it is: the timeline is its part during the block, and it is
   not stopped.
 - **Any device** (the CPU, an accelerator whose allocator reports to the profiler):
-  `from_profiler(prof, ...)` reads the
-  `[memory]` events of a `torch.profiler.profile(profile_memory=True,
-  with_stack=True)` run, each with its Python caller, or with the per-line
-  `record_function` ranges `%%profile`'s line tracer opens.
+  `from_profiler(prof, ...)` reads the `[memory]` events of a
+  `torch.profiler.profile(profile_memory=True, with_stack=True)` run, each with its
+  Python caller, or with the per-line `record_function` ranges `%%profile`'s line
+  tracer opens.
 
 An allocation is attributed to the innermost frame of the cell's own file (so the
 lines of functions defined in the cell count; frames of other files are skipped).

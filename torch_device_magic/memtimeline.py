@@ -747,7 +747,8 @@ def render_svg(tl: Timeline) -> str:
     area = f"{line}V{y(0):.1f}H{x(pts[0][0]):.1f}Z"
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        f'viewBox="0 0 {_W} {_H}" font-family="sans-serif" font-size="11" role="img">',
+        f'viewBox="0 0 {_W} {_H}" style="max-width:100%;height:auto" font-family="sans-serif" '
+        f'font-size="11" role="img">',
         f"<title>{esc(tl.headline())}</title>",
     ]
     ticks_y = [step_y * k for k in range(int(top // step_y) + 1)]

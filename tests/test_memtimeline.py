@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import time
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -184,6 +185,19 @@ def test_a_profile_without_memory_events_says_so():
     assert tl.allocations == 0 and tl.largest == []
     assert "no memory events were recorded (profile with profile_memory=True)" in tl.notes
     assert "<svg" not in tl.html() and "no allocations recorded" in tl.text()
+
+
+def test_a_profile_whose_events_cannot_be_read_gives_an_empty_timeline_that_says_so():
+    def unreadable() -> list[Any]:
+        raise RuntimeError("unreadable. More detail")
+
+    broken = SimpleNamespace(profiler=SimpleNamespace(
+        kineto_results=SimpleNamespace(experimental_event_tree=unreadable)))
+    tl = from_profiler(broken, CELL, BIG_THEN_SMALL)
+    assert tl.allocations == 0 and tl.points == []
+    assert tl.notes == ["the profiler's memory events could not be read: "
+                        "RuntimeError: unreadable. More detail"]
+    assert "could not be read" in tl.text() and "<svg" not in tl.html()
 
 
 def test_on_tdmdev_the_timeline_shows_only_what_the_profiler_saw(tdmdev):

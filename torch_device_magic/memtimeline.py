@@ -254,6 +254,15 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     accelerator that allocated the most, else the CPU; the others are named in a
     note. Times are seconds since the cell's first frame started.
     """
+    try:
+        return _from_profiler(prof, cell_filename, cell_source)
+    except Exception as exc:  # a torch whose profiler events read otherwise
+        _log.debug("profiler memory events unread", exc_info=True)
+        return Timeline("cpu", [], [], PROFILER_SOURCE, 0.0, 0, notes=[
+            f"the profiler's memory events could not be read: {first_sentence(exc, named=True)}"])
+
+
+def _from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     names = _cell_names(cell_filename)
     tree = _event_tree(prof)
     allocations, span = _walk(tree, names)

@@ -423,6 +423,16 @@ def test_an_allocator_that_cannot_record_leaves_the_cell_alone_and_says_why(monk
                        "does not yet support recordHistory")
 
 
+def test_a_snapshot_in_an_unknown_format_gives_no_timeline_and_says_why(monkeypatch):
+    fake = FakeHistory().install(monkeypatch)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot",
+                        lambda: {"device_traces": [[{"time_us": time.time_ns() // 1000}]]})
+    with recording(CELL) as rec:
+        fake.alloc(MiB, 2)
+    assert rec.timeline() is None and not fake.enabled
+    assert rec.why == "the allocator's snapshot could not be read: KeyError: 'action'"
+
+
 def test_the_users_own_recording_is_kept_running_and_read(monkeypatch):
     fake = FakeHistory(enabled=True).install(monkeypatch)
     with recording(CELL) as rec:

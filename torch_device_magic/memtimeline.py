@@ -566,7 +566,13 @@ class Recorder:
         if not self._done or not (self.owned or self.kept):
             return None
         if not self._read_once:
-            self._result, self._read_once = self._read(), True
+            self._read_once = True
+            try:
+                self._result = self._read()
+            except Exception as exc:  # a snapshot in a format this code does not know
+                _log.debug("memory snapshot unread", exc_info=True)
+                why = first_sentence(exc, named=True)
+                self.why = f"the allocator's snapshot could not be read: {why}"
         return self._result
 
     def _take(self) -> None:

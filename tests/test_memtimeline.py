@@ -480,8 +480,12 @@ def test_recording_on_a_cpu_only_build_records_and_starts_nothing():
 # --- on a GPU -----------------------------------------------------------------------------
 
 
-def run_on_cuda(source: str) -> None:
-    exec(compile(source, CELL, "exec"), {"torch": torch})
+def run_on_cuda(source: str) -> dict[str, Any]:
+    """Run `source` as the cell; its namespace, which the caller keeps (as a notebook's
+    namespace outlives the cell, so that what the cell bound is not freed in it)."""
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(source, CELL, "exec"), namespace)
+    return namespace
 
 
 CUDA_CELL = (
@@ -495,7 +499,7 @@ CUDA_CELL = (
 def test_cuda_recording_of_a_real_cell():
     torch.ones(1, device="cuda")  # CUDA up before the block
     with recording(CELL) as rec:
-        run_on_cuda(CUDA_CELL)
+        kept = run_on_cuda(CUDA_CELL)
     assert not torch._C._cuda_isHistoryEnabled()
     tl = rec.timeline()
     assert tl is not None and tl.device == f"cuda:{torch.cuda.current_device()}"
@@ -504,6 +508,36 @@ def test_cuda_recording_of_a_real_cell():
     assert tl.largest[1].line == 3 and tl.end_bytes - tl.start_bytes == 4096
     with open(tl.snapshot_path, "rb") as f:
         assert pickle.load(f)["device_traces"]
+    assert kept["small"].device.type == "cuda"
+
+
+_FRESH = """
+import json, sys, torch
+from torch_device_magic.memtimeline import recording
+cell = "x = 1\\nbig = torch.empty(16 * 2**20, device='cuda')\\n"
+before = torch.cuda.is_initialized()
+with recording("<fresh-cell>") as rec:
+    namespace = {"torch": torch}
+    exec(compile(cell, "<fresh-cell>", "exec"), namespace)
+tl = rec.timeline()
+print(json.dumps({"before": before, "recording": torch._C._cuda_isHistoryEnabled(),
+                  "largest": [[a.bytes, a.line] for a in tl.largest] if tl else None,
+                  "why": rec.why}))
+"""
+
+
+@pytest.mark.cuda
+def test_a_cell_that_starts_cuda_is_recorded_from_its_start_in_a_fresh_process():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _FRESH], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found == {"before": False, "recording": False, "largest": [[64 * MiB, 2]],
+                     "why": None}
 
 
 @pytest.mark.cuda

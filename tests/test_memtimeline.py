@@ -159,6 +159,14 @@ def test_the_chart_is_valid_svg_labelled_with_the_lines_and_the_text_is_compact(
     assert text[5].index("64.0 MiB") == text[6].index(" 4.0 KiB")  # aligned
 
 
+def test_ipython_displays_the_timeline_as_html_with_the_chart_or_as_text(ip):
+    tl = from_profiler(profiled(BIG_THEN_SMALL), CELL, BIG_THEN_SMALL)
+    shown, _ = ip.display_formatter.format(tl)
+    assert shown["text/plain"] == tl.text()
+    assert shown["text/html"].startswith('<div class="tdm-memory">')
+    assert "<svg" in shown["text/html"] and "line 2: 64.0 MiB" in shown["text/html"]
+
+
 def _sawtooth(n: int) -> list[tuple[float, int]]:
     points = [(i / n, (i % 7) * MiB) for i in range(n)]
     points[n // 3] = (points[n // 3][0], 100 * MiB)  # one short spike

@@ -130,14 +130,14 @@ def test_a_trace_that_cannot_be_written_is_a_note_and_the_cell_still_ran(ip, tmp
 def test_a_cell_that_raises_shows_its_traceback_and_a_partial_profile(ip, capsys, error):
     raising = "1 / 0" if error is ZeroDivisionError else "raise KeyboardInterrupt"
     with pytest.raises(error) as caught:
-        ip.run_cell(f"%%profile\nbefore = torch.ones(5) * 2\n{raising}\nafter = 1")
+        ip.run_cell(f"%%profile --memory\nbefore = torch.ones(5) * 2\n{raising}\nafter = 1")
     tb = caught.value.__traceback__
     while tb.tb_next is not None:
         tb = tb.tb_next
     assert tb.tb_lineno == 2 and tb.tb_frame.f_code.co_filename.startswith("<ipython-input-")
     out = capsys.readouterr().out
     why = "interrupted" if error is KeyboardInterrupt else "the cell raised ZeroDivisionError"
-    assert f"PARTIAL: {why}" in out and "aten::mul" in out
+    assert f"PARTIAL: {why}" in out and "aten::mul" in out and "memory timeline of cpu" in out
     assert "before" in ip.user_ns and "after" not in ip.user_ns
     assert not torch.autograd.profiler._is_profiler_enabled and sys.gettrace() is None
     assert profile(ip, "-o", "z = 1").lines  # and the next capture works
@@ -218,6 +218,18 @@ def test_a_cell_that_starts_cuda_is_told_its_device_side_is_missing(ip, monkeypa
     assert "CUDA started in this cell, after recording began" in str(report)
     assert not report.analysis.device_recorded
     assert "CUDA started" not in str(profile(ip, "-o", "y = 1"))  # the next cell records it
+
+
+def test_memory_draws_the_cells_memory_over_time_labelled_by_line(ip):
+    report = profile(ip, "-o --memory",
+                     "big = torch.ones(2**20)\nsmall = torch.ones(10)\ndel big")
+    timeline = report.timeline
+    assert timeline.device == "cpu" and timeline.peak_bytes - timeline.start_bytes >= 4 * 2**20
+    assert (timeline.largest[0].line, timeline.largest[0].bytes) == (1, 4 * 2**20)
+    assert timeline.largest[0].text == "big = torch.ones(2**20)"
+    assert "memory timeline of cpu" in str(report)
+    assert "<svg" in report._repr_mimebundle_()["text/html"]  # drawn inline, no network
+    assert profile(ip, "-o", "y = torch.ones(3)").timeline is None  # only when asked
 
 
 # --- the device side, on plain events ---------------------------------------------------

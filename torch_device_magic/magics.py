@@ -627,6 +627,11 @@ class TorchDeviceMagics(Magics):
     @argument("--top", type=int, default=10, help="rows of the op and kernel tables (default 10)")
     @argument("--trace", metavar="PATH",
               help="write the Chrome/Perfetto trace there (default: a temporary file, shown)")
+    @argument("--memory", action="store_true",
+              help="also draw the cell's memory over time, offline, its largest allocations "
+              "labelled by line: from the CUDA allocator's history where the cell used CUDA "
+              "(its snapshot saved for pytorch.org/memory_viz), else from the profiler's "
+              "memory events")
     @argument("-f", dest="functions", action="append", default=[], metavar="NAME",
               help="also give the lines of this function (defined elsewhere: a notebook "
               "function, a method, a module's forward); repeatable")
@@ -672,7 +677,9 @@ class TorchDeviceMagics(Magics):
         """
         __tracebackhide__ = True
         args = parse(self.profile, line)
-        options = profiling.Options(args.runs, args.warmup, args.sort, args.top, args.trace)
+        options = profiling.Options(
+            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory
+        )
         options.check()
         profiling.refuse_if_recording(self._profiling)
         functions = profiling.functions(
@@ -681,7 +688,7 @@ class TorchDeviceMagics(Magics):
         run, filename = cells.compile_cell(self.shell, cell)
         capture = profiling.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
-            *self.reporter.plain_run(cell),
+            *self.reporter.plain_run(cell), source=cell,
         )
         self.reporter.mark_profiled()
         self._profiling = True

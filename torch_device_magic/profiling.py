@@ -83,6 +83,7 @@ class Options:
     sort: str = "self"
     top: int = 10
     trace: str | None = None
+    memory: bool = False  # the memory timeline (memtimeline)
     lines: bool = True  # the line table (off only to measure its cost)
 
     def check(self) -> None:
@@ -776,6 +777,7 @@ class Capture:
     functions: Sequence[tuple[Any, str]] = ()  # -f: (function, its label)
     plain_wall_s: float | None = None
     plain_from: str | None = None
+    source: str = ""  # the cell's code, for the memory timeline's labels
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -797,7 +799,7 @@ class Capture:
         prof = _profiler(cuda)
         tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
         meter = Meter(sync=True)
-        value = measured = None
+        value = measured = recorder = None
         # kineto writes to descriptor 2 at start and stop, and torch's allocator once
         # when a block made before the start is freed: all of the capture is covered.
         with quiet_stderr(heard):
@@ -814,8 +816,9 @@ class Capture:
                 if tracer is not None:
                     tracer.start()
                 try:
-                    for _ in range(opts.runs):
-                        value = self.run()
+                    with _memory(self.cell_file, opts.memory) as recorder:
+                        for _ in range(opts.runs):
+                            value = self.run()
                 finally:
                     if tracer is not None:
                         tracer.stop()
@@ -824,14 +827,15 @@ class Capture:
                 prof.stop()
                 meter.close()
                 try:
-                    show_partial(self._report(prof, tracer, None, heard, cuda, partial=err))
+                    show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
+                                              partial=err))
                 except Exception:  # ours: the cell's own error is the one to see
                     _log.debug("the partial profile could not be made", exc_info=True)
                 raise
             prof.stop()
             meter.close()
         try:
-            return self._report(prof, tracer, measured, heard, cuda), value
+            return self._report(prof, tracer, measured, heard, cuda, recorder), value
         except Exception as err:  # the cell ran: its value is kept, and our fault said
             _log.debug("the profile could not be made", exc_info=True)
             print(f"%%profile could not read the profile: {first_sentence(err, named=True)}")
@@ -839,7 +843,8 @@ class Capture:
 
     def _report(
         self, prof: Any, tracer: LineTracer | None, measured: Measurement | None,
-        heard: list[str], cuda: bool, partial: BaseException | None = None,
+        heard: list[str], cuda: bool, recorder: Any = None,
+        partial: BaseException | None = None,
     ) -> ProfileReport:
         opts = self.options
         events = from_kineto(prof.profiler.kineto_results)
@@ -865,7 +870,23 @@ class Capture:
             label=self.label, runs=opts.runs, wall_s=wall, measurement=measured,
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
             plain_from=self.plain_from, partial=why, notes=notes, profiler=prof, sort=opts.sort,
+            timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
         )
+
+    def _timeline(self, prof: Any, recorder: Any, notes: list[str]) -> Any:
+        """The memory timeline: the CUDA allocator's history where CUDA was used, else the
+        profiler's memory events."""
+        from . import memtimeline
+
+        try:
+            timeline = recorder.timeline() if recorder is not None else None
+            if timeline is None:
+                timeline = memtimeline.from_profiler(prof, self.cell_file, self.source)
+        except Exception as err:  # ours: the profile itself is still shown
+            _log.debug("the memory timeline failed", exc_info=True)
+            notes.append(f"the memory timeline could not be drawn: {first_sentence(err, True)}")
+            return None
+        return timeline
     def _write_trace(self, prof: Any, notes: list[str]) -> str | None:
         """Write the trace; kineto says a failure only on stderr, so the file is opened
         here first, and kineto's lines are caught like its others."""
@@ -904,6 +925,18 @@ def _device_notes(
                else "CUPTI missing or refused")
         return [f"the device's activity could not be recorded ({why}): the CPU side only"]
     return []
+
+
+@contextlib.contextmanager
+def _memory(cell_file: str, on: bool) -> Iterator[Any]:
+    """With --memory, the CUDA allocator's history for the block (None where not asked)."""
+    if not on:
+        yield None
+        return
+    from . import memtimeline
+
+    with memtimeline.recording(cell_file) as recorder:
+        yield recorder
 
 
 def _sync() -> None:

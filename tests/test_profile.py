@@ -334,3 +334,14 @@ def test_on_a_gpu_five_captures_agree(ip):
     assert device[-1] < 1.5 * device[0]
     walls = [line_of(rep, "y = w @ w").device_s for rep in reports]
     assert all(0 < d <= rep.wall_s for d, rep in zip(walls, reports))
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_memory_comes_from_the_allocators_history(ip):
+    from torch_device_magic.memtimeline import CUDA_SOURCE
+
+    ip.run_cell("x = torch.randn(1024, 1024, device='cuda')")
+    report = profile(ip, "-o --memory", "y = x @ x\nz = y.relu()")
+    timeline = report.timeline
+    assert timeline.source == CUDA_SOURCE and timeline.device.startswith("cuda")
+    assert {a.line for a in timeline.largest} >= {1, 2} and timeline.snapshot_path

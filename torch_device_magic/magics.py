@@ -662,6 +662,10 @@ class TorchDeviceMagics(Magics):
         `-n` and `--warmup` run it more than once, and each run repeats its side
         effects (appends, training steps). The trace goes to `--trace PATH` or a
         temporary file, stamped rank 0 so Holistic Trace Analysis reads it.
+        `--memory` adds the memory over the cell's time, drawn inline without
+        network, its largest allocations labelled by line: from the CUDA
+        allocator's history where the cell used CUDA, else from the
+        profiler's memory events.
 
         Cost: the profiler adds a few µs to every op and each traced line a few
         more; the overview compares with a plain run of the same code where one

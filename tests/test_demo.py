@@ -117,6 +117,8 @@ def test_what_the_tutorial_teaches_is_what_happens(ran):
     assert "False" in shown(ran, "nograd") and "True" in shown(ran, "grad-back")
     assert "requires_grad: False" in shown(ran, "evaluate")
     assert "same predictions: True" in shown(ran, "checkpoint")
+    assert "slowest: line 1, " in shown(ran, "profile")  # the batch built one sample at a time
+    assert re.search(r"^time .* \(profiled\) \| ", shown(ran, "profile"), re.M)
     assert re.search(r"^batch +\(65536, 8\) +float32", shown(ran, "gpumem"), re.M)
     assert shown(ran, "gpufree").startswith("garbage collected")
     assert re.search(rf"^model +module Sequential +{re.escape(dev)} ", shown(ran, "tensors"), re.M)

@@ -2,7 +2,8 @@
 
 On a CPU build no torch.cuda function is called at all; on a GPU (CUDA-marked)
 only those that start nothing are, after `%device`, `auto`, `cuda`, `%gpufree`,
-`%tensors` and twenty reported cells, and a forked child can still use CUDA.
+`%tensors`, `%%profile` and twenty reported cells, and a forked child can still
+use CUDA.
 """
 
 import json

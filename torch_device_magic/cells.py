@@ -57,6 +57,11 @@ def compiled(shell: Any, cell: str) -> Callable[[], Any]:
     A cell that does not compile is shown as IPython shows a plain cell's syntax error
     (`Cell In[n], line k`, none of our frames), and a `DeviceMagicError` says it did not run.
     """
+    return compile_cell(shell, cell)[0]
+
+
+def compile_cell(shell: Any, cell: str) -> tuple[Callable[[], Any], str]:
+    """`compiled`, and the file name the cell's code carries (what a profiler sees)."""
     source = shell.transform_cell(cell)
     filename = shell.compile.cache(source, cell_number(shell), raw_code=cell)
     try:
@@ -86,7 +91,18 @@ def compiled(shell: Any, cell: str) -> Callable[[], Any]:
         value = eval(last, *namespace)
         return None if silent else value
 
-    return execute
+    return execute, filename
+
+
+def cell_label(shell: Any, filename: str) -> str | None:
+    """'In[3]' for the file name of a cell's code; None for any other file."""
+    named = getattr(shell.compile, "format_code_name", None)  # IPython 8+
+    if named is not None:
+        found = named(filename)
+        return found[1] if found else None
+    if filename.startswith("<ipython-input-"):  # IPython 7: <ipython-input-3-hash>
+        return f"In[{filename.split('-')[2]}]"
+    return None
 
 
 def cell_number(shell: Any) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,9 @@ class CellReporter:
         self._line_open = False  # the cell's output so far ends inside a line
         self._printing = False  # the outermost cell's line is printed (decided as it starts)
         self._adopted: Measurement | None = None
+        self._profiled = False  # the outermost cell runs under %%profile
+        # the last plain (not profiled) run of each cell's source: (cell, wall_s)
+        self._plain: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
         self._fault: str | None = None  # the line to show instead of the measurement
         self._hint: Callable[[BaseException, str], str | None] | None = None
         self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
@@ -182,6 +186,21 @@ class CellReporter:
         if len(self._open) == 1:  # in the outermost cell, not in a cell that it ran
             self._adopted = measurement
 
+    def mark_profiled(self) -> None:
+        """Say '(profiled)' in this cell's line (from %%profile), and do not take its time
+        for a plain run's."""
+        if len(self._open) == 1:
+            self._profiled = True
+
+    def plain_run(self, source: str) -> tuple[float | None, str | None]:
+        """The wall time of the last plain run of a cell whose code is `source`, and which
+        cell that was ('In[4]'); (None, None) where none is known."""
+        known = self._plain.get(source.strip())
+        if known is None:
+            return None, None
+        cell, wall_s = known
+        return wall_s, f"In[{cell}]" if cell is not None else "an earlier cell"
+
     def pre_run_cell(self, info: object) -> None:
         self._loading = None  # a cell of its own: we were loaded outside a cell
         first = getattr(info, "raw_cell", "")[:1]
@@ -191,6 +210,7 @@ class CellReporter:
         if len(self._open) > 1:
             return  # a cell run inside a cell: the outer one is measured
         self._adopted, self._fault, self._line_open, self._printing = None, None, False, False
+        self._profiled = False
         try:
             self._printing = self._prints()  # once a cell: the cell's line goes the same way
             if self._printing:
@@ -238,7 +258,7 @@ class CellReporter:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
-                self._record(measured, result.execution_count)
+                self._record(measured, result.execution_count, info)
         except Exception as err:
             _log.debug("recording the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
@@ -268,7 +288,7 @@ class CellReporter:
         try:
             self._printing, self._line_open = self._prints(), False
             self._record(Measurement(wall_s, host_delta_bytes=delta, host_peak_bytes=peak),
-                         result.execution_count)
+                         result.execution_count, result.info)
         except Exception:
             _log.debug("the loading cell's line failed", exc_info=True)
 
@@ -283,11 +303,19 @@ class CellReporter:
         if text:
             print(text)
 
-    def _record(self, measured: Measurement, cell: int | None) -> None:
+    def _record(self, measured: Measurement, cell: int | None, info: object) -> None:
         adopted, self._adopted = self._adopted, None
         record = adopted or measured
         record.cell = cell
         self.history.append(record)
+        if adopted is None and not self._profiled:
+            source = getattr(info, "raw_cell", None)
+            if source:  # for %%profile's overview: what the same code took unprofiled
+                plain, key = self._plain, source.strip()
+                plain[key] = (cell, record.wall_s)
+                plain.move_to_end(key)
+                if len(plain) > self.history.maxlen:
+                    plain.popitem(last=False)
         if adopted is None and self.shows(record):
             self._show(record)
 
@@ -309,10 +337,11 @@ class CellReporter:
         )
 
     def _show(self, record: Measurement) -> None:
+        note = " (profiled)" if self._profiled else ""
         if self._printing:
-            self._print(record.summary())
+            self._print(record.summary(note))
         else:
-            publish(self._shell.display_pub, record._repr_mimebundle_())
+            publish(self._shell.display_pub, record.bundle(note))
 
     def _publish(self, bundle: dict[str, str]) -> None:
         try:

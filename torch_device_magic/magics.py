@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, hints, moving
+from . import cells, devices, gpumem, hints, moving, profiling
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
@@ -127,6 +127,7 @@ class TorchDeviceMagics(Magics):
         self.reporter = CellReporter()
         self.session = Session()
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
+        self._profiling = False  # a %%profile cell is running
         super().__init__(shell=shell)
 
     @property
@@ -654,6 +655,96 @@ class TorchDeviceMagics(Magics):
         if args.output:
             return report
         if not args.quiet:
+            display(report)
+        return value
+
+    @magic_arguments()
+    @argument("-n", dest="runs", type=int, default=1,
+              help="profiled runs (default 1); each run repeats the cell's side effects")
+    @argument("--warmup", type=int, default=0,
+              help="unprofiled runs first (default 0); they repeat the side effects too, and "
+              "the last one is the plain run the overview compares with")
+    @argument("--sort", default="self",
+              help="the op table's order: self (CPU time, the default), total, device, memory")
+    @argument("--top", type=int, default=10, help="rows of the op and kernel tables (default 10)")
+    @argument("--trace", metavar="PATH",
+              help="write the Chrome/Perfetto trace there (default: a temporary file, shown)")
+    @argument("--memory", action="store_true",
+              help="also draw the cell's memory over time, offline, its largest allocations "
+              "labelled by line: from the CUDA allocator's history where the cell used CUDA "
+              "(its snapshot saved for pytorch.org/memory_viz), else from the profiler's "
+              "memory events")
+    @argument("-f", dest="functions", action="append", default=[], metavar="NAME",
+              help="also give the lines of this function (defined elsewhere: a notebook "
+              "function, a method, a module's forward); repeatable")
+    @argument("-o", dest="output", action="store_true",
+              help="return the ProfileReport instead of the cell's value (.ops, .kernels, "
+              ".lines, .trace_path, .profiler for key_averages())")
+    @cell_magic
+    @user_errors
+    def profile(self, line: str, cell: str) -> Any:
+        """Profile the cell with torch.profiler: where its time and memory go, by op and by line.
+
+        In [1]: %%profile
+           ...: loss = loss_fn(model(x), y)
+           ...: loss.backward()
+
+        Shows an overview (wall time; where a GPU's activity was recorded, its busy
+        time and share of the wall, kernel launches, host-device copies and
+        synchronisations, naming an .item() or .cpu() that a loop repeats), then
+        the table by line: for each line of the cell, and of the functions it
+        defines, its hits, wall time, torch CPU time, device time and memory
+        allocated, each event counted once, on the innermost line running when
+        it happened (a line that calls a function of the cell gets only what ran
+        on it outside that function's lines, as those have their own rows); then
+        the top ops (calls, self and total CPU time, device time, memory
+        allocated, the most frequent input shapes) and on a GPU the top kernels.
+
+        The cell runs as a cell: Out[n], tracebacks at its lines, names bound.
+        `-n` and `--warmup` run it more than once, and each run repeats its side
+        effects (appends, training steps). The trace goes to `--trace PATH` or a
+        temporary file, stamped rank 0 so Holistic Trace Analysis reads it.
+        `--memory` adds the memory over the cell's time, drawn inline without
+        network, its largest allocations labelled by line: from the CUDA
+        allocator's history where the cell used CUDA, else from the
+        profiler's memory events.
+
+        Cost: the profiler adds a few µs to every op and each traced line a few
+        more; the overview compares with a plain run of the same code where one
+        is known (the last warm-up, else the per-cell report's last run of a
+        cell with exactly this code) and the per-cell line says "(profiled)".
+        CUDA is recorded only where it was already up when recording began (a
+        warm-up that starts it counts): %%profile never starts it. Where the
+        device's activity could not be recorded (CUPTI missing or refused) the
+        overview says so and shows the CPU side only. A cell that raises (or
+        Ctrl-C) shows its partial profile, then its own traceback; the profiler
+        is stopped either way. It cannot run under another %%profile or while a
+        torch.profiler records.
+        """
+        __tracebackhide__ = True
+        args = parse(self.profile, line)
+        options = profiling.Options(
+            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory
+        )
+        options.check()
+        profiling.refuse_if_recording(self._profiling)
+        functions = profiling.functions(
+            self.shell.user_ns, args.functions, functools.partial(cells.cell_label, self.shell)
+        )
+        run, filename = cells.compile_cell(self.shell, cell)
+        capture = profiling.Capture(
+            run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
+            *self.reporter.plain_run(cell), source=cell,
+        )
+        self.reporter.mark_profiled()
+        self._profiling = True
+        try:
+            report, value = capture(display)
+        finally:
+            self._profiling = False
+        if args.output:
+            return report
+        if report is not None:
             display(report)
         return value
 

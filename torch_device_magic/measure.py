@@ -100,9 +100,9 @@ class Measurement:
             text += f", GPU {fmt_bytes(self.workers_device_bytes)}"
         return text if self.workers_note is None else f"{text} ({self.workers_note})"
 
-    def summary(self) -> str:
-        """The compact line: time, then device and host memory (`n/a` where not measured),
-        and the cell's workers where it had any."""
+    def summary(self, note: str = "") -> str:
+        """The compact line: time (and `note`: ' (profiled)'), then device and host memory
+        (`n/a` where not measured), and the cell's workers where it had any."""
         if self.host_delta_bytes is None and self.host_peak_bytes is None:
             host = "host n/a"
         else:
@@ -113,12 +113,12 @@ class Measurement:
         if self.workers:
             host += f", workers {self.workers_summary()}"
         if self.device is None:
-            return f"time {fmt_seconds(self.wall_s)} | {host}"
+            return f"time {fmt_seconds(self.wall_s)}{note} | {host}"
         # Events time the device's current stream only: work on other streams is not in it.
         gpu_time = "" if self.device_s is None else f" {fmt_seconds(self.device_s)} current stream,"
         others = "" if self.other_devices is None else f" (also used: {self.other_devices})"
         line = (
-            f"time {fmt_seconds(self.wall_s)} | {self.device}{others}{gpu_time}"
+            f"time {fmt_seconds(self.wall_s)}{note} | {self.device}{others}{gpu_time}"
             f" {fmt_bytes(self.device_delta_bytes, signed=True)}"
             f" (peak {fmt_bytes(self.device_peak_bytes)}) | {host}"
         )
@@ -131,7 +131,11 @@ class Measurement:
         return self.summary()
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        text = self.summary()
+        return self.bundle()
+
+    def bundle(self, note: str = "") -> dict[str, str]:
+        """The line as text and as a small grey HTML line."""
+        text = self.summary(note)
         return {
             "text/plain": text,
             "text/html": f'<div class="tdm-report" style="font-size:smaller;opacity:.7">'

@@ -58,6 +58,8 @@ for cell in [
     "%gpufree",
     "%reload_ext torch_device_magic",
     "z = x + 1",
+    "%%profile\nz = x * 2",  # records CUDA only where CUDA is up, so starts nothing
+    "%%profile -n 2 --warmup 1 --sort device --memory\nz = x + 1",
     *(["%device auto", "%device cuda", "%device", "%gpufree", "%tensors"] if CUDA else []),
     # reported cells; under `%device cuda` only a factory call would start CUDA
     *[f"z = x * {i}" if i % 2 else "s = sum(range(10))" for i in range(20)],

@@ -1,0 +1,964 @@
+"""Where a cell spends its time and memory: the engine of `%%profile`.
+
+    In [5]: %%profile
+       ...: loss = loss_fn(model(x), y)
+       ...: loss.backward()
+    %%profile In[5]: 1 run, wall 3.1 ms | 64 op calls | trace /tmp/tdm-profile-In5-....json
+    by line (each event goes to the innermost line of the cell running)
+    line  hits    wall  torch CPU  allocated  code
+    ...
+
+Attribution. While the profiler records, a line tracer (`sys.settrace`, its
+local function installed only in frames of the cell's own code and of the
+functions `-f` names) opens a `record_function` range for each line as it
+starts and closes it when the next line starts or the frame returns. The
+ranges nest as the frames do, so the innermost range open at any moment is the
+innermost line of the cell running then; an event (an op, an allocation,
+backward work on another thread) goes to the line whose range was innermost
+when it started, a kernel to the line of the op that launched it. The ranges
+are in the trace too, named by their line. A traced line costs a few µs
+(`bench/bench_profile.py` measures it); frames of other code pay one call of
+the tracer each.
+
+Figures are read from kineto's own events (`kineto_results.events()`), not
+from torch's `key_averages()`, which builds a Python object per event; the raw
+profiler stays available for that (`-o`). Nothing here keeps a user's tensor:
+the events hold shapes and names only.
+
+The profiler records CUDA only where CUDA was already up when recording began
+(a warm-up that starts it counts), so a cell that never touched CUDA never
+starts it; where CUDA ran but no device event came (CUPTI missing or refused),
+the overview says so and the device columns are left out, never zeros.
+kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr,
+and torch's allocator a warning about blocks made before the start: descriptor
+2 is caught from start to stop, those lines dropped and whatever else was
+written there passed on afterwards.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import linecache
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from .errors import DeviceMagicError, first_sentence
+from .measure import Measurement, Meter
+from .probes import clock, runtime_up
+from .reports import Table
+from .units import fmt_bytes, fmt_seconds, plural
+
+SORTS = ("self", "total", "device", "memory")
+LINE_PREFIX = "tdm:"  # our ranges' names start with it (and never an op's)
+_SYNC_CALLS = frozenset({
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+    "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy",
+})
+_ITEM = frozenset({"aten::item", "aten::_local_scalar_dense"})
+_READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
+          "aten::to": ".cpu()/.to()", "aten::_to_copy": ".cpu()/.to()", "aten::copy_": ".copy_()"}
+_log = logging.getLogger(__name__)
+_NOISE = ("profiler_start", "profiler_stop", "Completed Stage:", "ActivityProfilerController",
+          "Memory block of unknown size was allocated before the profiling started")
+
+
+@dataclass(slots=True)
+class Options:
+    """What `%%profile`'s line asked for, checked."""
+
+    runs: int = 1
+    warmup: int = 0
+    sort: str = "self"
+    top: int = 10
+    trace: str | None = None
+    memory: bool = False  # the memory timeline (memtimeline)
+    lines: bool = True  # the line table (off only to measure its cost)
+
+    def check(self) -> None:
+        if self.runs < 1 or self.warmup < 0:
+            raise DeviceMagicError("%%profile needs -n 1 or more and --warmup 0 or more")
+        if self.sort not in SORTS:
+            raise DeviceMagicError(
+                f"%%profile --sort takes {', '.join(SORTS)}, not {self.sort!r}"
+            )
+        if self.top < 1:
+            raise DeviceMagicError("%%profile --top needs 1 or more")
+        if self.trace is not None and not self.trace.strip():
+            raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
+
+
+# --- the events, as plain records -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Event:
+    """One kineto event, its times relative to the trace's start.
+
+    kind: "op" (a CPU op or a user's range), "line" (ours), "memory", "runtime" (a
+    CUDA runtime call), "kernel", "memcpy", "memset" (device activity).
+    """
+
+    name: str
+    kind: str
+    start_ns: int
+    end_ns: int = 0
+    thread: int = 0
+    correlation: int = 0  # a CPU op's id; device and runtime events link to it
+    linked: int = 0
+    shapes: tuple[tuple[int, ...], ...] = ()
+    nbytes: int = 0  # memory: + allocated, - freed; memcpy: bytes copied (0: unknown)
+    on_device: bool = False  # memory: on an accelerator (else host)
+    # filled by the analysis
+    self_ns: int = 0
+    alloc_bytes: int = 0
+    device_ns: int = 0
+    line: str | None = None
+    parent: Event | None = None  # the innermost op or range around it, on its thread
+
+
+def from_kineto(result: Any) -> list[Event]:
+    """The events of a finished capture (`prof.profiler.kineto_results`); read once, in
+    one pass (tens of thousands of events: every call per event counts)."""
+    start = result.trace_start_ns()
+    events = result.events()
+    cpu = torch.autograd.DeviceType.CPU
+    older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
+    linked = bool(events) and hasattr(events[0], "linked_correlation_id")
+    out: list[Event] = []
+    append = out.append
+    for e in events:
+        name = e.name()
+        activity = "" if older else e.activity_type()
+        device = e.device_type() != cpu
+        if name == "[memory]":
+            append(Event(name, "memory", e.start_ns() - start, e.start_ns() - start,
+                         e.start_thread_id(), nbytes=e.nbytes(), on_device=device))
+            continue
+        if name.startswith(LINE_PREFIX):
+            kind = "line"
+        elif device:
+            kind = ("memcpy" if "memcpy" in activity or name.startswith("Memcpy")
+                    else "memset" if "memset" in activity or name.startswith("Memset")
+                    else "kernel")
+        elif activity in _RUNTIME or (older and name.startswith(("cuda", "hip"))):
+            kind = "runtime"
+        elif name in _FILTERED or e.is_async() or e.start_thread_id() != e.end_thread_id():
+            continue
+        else:
+            kind = "op"
+        append(Event(
+            name, kind, e.start_ns() - start, e.end_ns() - start, e.start_thread_id(),
+            e.correlation_id(), e.linked_correlation_id() if linked else 0,
+            tuple(map(tuple, e.shapes())) if kind == "op" else (),
+            _copied_bytes(e) if kind == "memcpy" else 0,
+        ))
+    return out
+
+
+_RUNTIME = frozenset({"cuda_runtime", "cuda_driver", "privateuse1_runtime",
+                      "privateuse1_driver", "xpu_runtime", "xpu_driver"})
+_FILTERED = frozenset({
+    "profiler::_record_function_enter", "profiler::_record_function_enter_new",
+    "profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version",
+})
+
+
+def _copied_bytes(event: Any) -> int:
+    """The bytes of a device copy, where kineto put them in the event's metadata."""
+    try:
+        return int(json.loads("{" + (event.metadata_json() or "") + "}").get("bytes", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
+# --- the analysis -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class OpRow:
+    """One op name over the capture: on the CPU, its device time where recorded."""
+
+    name: str
+    calls: int
+    self_cpu_s: float
+    total_cpu_s: float
+    device_s: float | None  # None: no device activity recorded
+    allocated_bytes: int  # allocations made by the op itself (frees not subtracted)
+    shapes: str  # the most frequent input shapes, and how often
+
+
+@dataclass(slots=True)
+class KernelRow:
+    """One kernel name on the device."""
+
+    name: str
+    calls: int
+    device_s: float
+    launched_by: str  # the op that launched it most often
+
+
+@dataclass(slots=True)
+class LineRow:
+    """One line of code: what ran while it was the innermost line running."""
+
+    where: str  # '3' for the cell's line 3, 'train (In[2]) 7' for a line of an -f function
+    code: str
+    hits: int
+    wall_s: float
+    cpu_s: float  # torch ops' self CPU time
+    device_s: float | None
+    allocated_bytes: int
+
+
+@dataclass(slots=True)
+class Analysis:
+    """What the events say, in figures."""
+
+    ops: list[OpRow]
+    kernels: list[KernelRow]
+    lines: list[LineRow]
+    op_calls: int
+    device_recorded: bool
+    device_busy_s: float | None
+    launches: int
+    copies: int
+    copy_bytes: int | None  # None: the copies' sizes were not recorded
+    syncs: int
+    stalls: list[str]  # '.item() 100 times on line 5 (2 runs)'
+
+
+def analyse(
+    events: list[Event],
+    line_names: dict[str, tuple[str, str]] | None = None,
+    *,
+    runs: int = 1,
+    sort: str = "self",
+    top: int = 10,
+    device_in_use: bool = False,
+) -> Analysis:
+    """The tables and counts of a capture's `events`.
+
+    `line_names` maps our range names to (where, code); `device_in_use`: an
+    accelerator was in use, so a host read of a value (`.item()`) waits for it.
+    """
+    line_names = line_names or {}
+    cpu = [e for e in events if e.kind in ("op", "line", "runtime", "memory")]
+    _nest(cpu)
+    timeline = _Timeline([e for e in events if e.kind == "line"])
+    ops = [e for e in events if e.kind == "op"]
+    for e in ops:
+        e.line = timeline.at(e.start_ns)
+    by_id = {e.correlation: e for e in ops if e.correlation}
+    device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
+    for d in device:
+        launcher = by_id.get(d.linked)
+        if launcher is not None:
+            launcher.device_ns += d.end_ns - d.start_ns
+            d.line = launcher.line
+        else:
+            d.line = timeline.at(d.start_ns)
+    recorded = bool(device)
+    memory = [e for e in events if e.kind == "memory"]
+    for m in memory:
+        m.line = timeline.at(m.start_ns)
+    return Analysis(
+        ops=_op_rows(ops, recorded, sort, top),
+        kernels=_kernel_rows(device, by_id, top),
+        lines=_line_rows(timeline, ops, device, memory, line_names, recorded),
+        op_calls=len(ops),
+        device_recorded=recorded,
+        device_busy_s=_union_ns(device) / 1e9 if recorded else None,
+        launches=sum(1 for d in device if d.kind == "kernel"),
+        copies=len(copies := [d for d in device if d.kind == "memcpy" and "DtoD" not in d.name]),
+        copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
+        syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
+        stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
+    )
+
+
+def _nest(events: list[Event]) -> None:
+    """Per thread, each op's self time (its duration less its children's) and the
+    allocations made inside it and not inside a child."""
+    threads: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        threads[e.thread].append(e)
+    for evs in threads.values():
+        evs.sort(key=lambda e: (e.start_ns, -e.end_ns, e.kind == "memory"))
+        stack: list[Event] = []
+        for e in evs:
+            point = e.kind == "memory"
+            while stack and (stack[-1].end_ns < e.start_ns
+                             or (not point and stack[-1].end_ns <= e.start_ns)):
+                stack.pop()
+            parent = stack[-1] if stack else None
+            if point:
+                if parent is not None and e.nbytes > 0:
+                    parent.alloc_bytes += e.nbytes
+                continue
+            e.self_ns += e.end_ns - e.start_ns
+            e.parent = parent
+            if parent is not None:
+                parent.self_ns -= e.end_ns - e.start_ns
+            stack.append(e)
+
+
+class _Timeline:
+    """Which line range was innermost at each moment: a step function over time."""
+
+    def __init__(self, ranges: list[Event]) -> None:
+        self.starts: list[int] = []
+        self.names: list[str | None] = []
+        self.hits: Counter[str] = Counter(r.name for r in ranges)
+        stack: list[Event] = []
+        for r in sorted(ranges, key=lambda r: (r.start_ns, -r.end_ns)):
+            while stack and stack[-1].end_ns <= r.start_ns:
+                ended = stack.pop()
+                self._step(ended.end_ns, stack[-1].name if stack else None)
+            stack.append(r)
+            self._step(r.start_ns, r.name)
+        while stack:
+            ended = stack.pop()
+            self._step(ended.end_ns, stack[-1].name if stack else None)
+
+    def _step(self, at: int, name: str | None) -> None:
+        if self.starts and self.starts[-1] == at:
+            self.names[-1] = name
+        else:
+            self.starts.append(at)
+            self.names.append(name)
+
+    def at(self, t: int) -> str | None:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return self.names[i] if i >= 0 else None
+
+    def wall_ns(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for (t0, name), t1 in zip(zip(self.starts, self.names), self.starts[1:]):
+            if name is not None:
+                out[name] += t1 - t0
+        return out
+
+
+def _shapes(counter: Counter[tuple[tuple[int, ...], ...]]) -> str:
+    if not counter:
+        return ""
+    shapes, n = counter.most_common(1)[0]
+    text = ", ".join(str(tuple(s)) if s else "()" for s in shapes) or "-"
+    total = sum(counter.values())
+    return text if n == total else f"{text} ({n} of {total})"
+
+
+def _op_rows(ops: list[Event], recorded: bool, sort: str, top: int) -> list[OpRow]:
+    groups: dict[str, list[Event]] = defaultdict(list)
+    for e in ops:
+        groups[e.name].append(e)
+    rows = [
+        OpRow(
+            name=name,
+            calls=len(es),
+            self_cpu_s=sum(e.self_ns for e in es) / 1e9,
+            total_cpu_s=sum(e.end_ns - e.start_ns for e in es) / 1e9,
+            device_s=sum(e.device_ns for e in es) / 1e9 if recorded else None,
+            allocated_bytes=sum(e.alloc_bytes for e in es),
+            shapes=_shapes(Counter(e.shapes for e in es if any(e.shapes))),
+        )
+        for name, es in groups.items()
+    ]
+    key: Callable[[OpRow], float] = {
+        "self": lambda r: r.self_cpu_s,
+        "total": lambda r: r.total_cpu_s,
+        "device": lambda r: r.device_s or 0.0 if recorded else r.self_cpu_s,
+        "memory": lambda r: r.allocated_bytes,
+    }[sort]
+    return sorted(rows, key=key, reverse=True)[:top]
+
+
+def _kernel_rows(device: list[Event], by_id: dict[int, Event], top: int) -> list[KernelRow]:
+    groups: dict[str, list[Event]] = defaultdict(list)
+    for d in device:
+        groups[d.name].append(d)
+    rows = []
+    for name, ds in groups.items():
+        launchers = Counter(by_id[d.linked].name for d in ds if d.linked in by_id)
+        rows.append(KernelRow(
+            name=name, calls=len(ds), device_s=sum(d.end_ns - d.start_ns for d in ds) / 1e9,
+            launched_by=launchers.most_common(1)[0][0] if launchers else "",
+        ))
+    return sorted(rows, key=lambda r: r.device_s, reverse=True)[:top]
+
+
+def _line_rows(
+    timeline: _Timeline,
+    ops: list[Event],
+    device: list[Event],
+    memory: list[Event],
+    line_names: dict[str, tuple[str, str]],
+    recorded: bool,
+) -> list[LineRow]:
+    cpu_ns: Counter[str] = Counter()
+    device_ns: Counter[str] = Counter()
+    allocated: Counter[str] = Counter()
+    for e in ops:
+        if e.line is not None:
+            cpu_ns[e.line] += e.self_ns
+    for d in device:
+        if d.line is not None:
+            device_ns[d.line] += d.end_ns - d.start_ns
+    for m in memory:
+        if m.line is not None and m.nbytes > 0:
+            allocated[m.line] += m.nbytes
+    wall = timeline.wall_ns()
+    rows = []
+    for name, (where, code) in line_names.items():
+        if not timeline.hits[name]:
+            continue
+        rows.append(LineRow(
+            where=where, code=code, hits=timeline.hits[name], wall_s=wall[name] / 1e9,
+            cpu_s=cpu_ns[name] / 1e9, device_s=device_ns[name] / 1e9 if recorded else None,
+            allocated_bytes=allocated[name],
+        ))
+    return rows
+
+
+def _union_ns(device: list[Event]) -> int:
+    """How long the device was busy: the union of its activities' intervals."""
+    total, end = 0, None
+    for d in sorted(device, key=lambda d: d.start_ns):
+        if end is None or d.start_ns > end:
+            total += d.end_ns - d.start_ns
+            end = d.end_ns
+        elif d.end_ns > end:
+            total += d.end_ns - end
+            end = d.end_ns
+    return total
+
+
+def _stalls(
+    events: list[Event], by_id: dict[int, Event], line_names: dict[str, tuple[str, str]],
+    runs: int,
+) -> list[str]:
+    """Host reads of device values (`.item()`, `.cpu()`) that a line repeats within a
+    run: each one waits for the device.
+
+    Where the runtime's calls were recorded (CUDA), a read is the outermost `.item()` or
+    `.to()` op around a synchronising call (a `.to(torch.half)` is none); elsewhere only
+    `.item()`, which always waits."""
+    reads: Counter[tuple[str, str]] = Counter()
+    found: set[int] = set()
+    syncs = [e for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS]
+    if syncs:
+        starts = [by_id.get(e.linked) for e in syncs]
+    else:
+        starts = [e for e in events if e.kind == "op" and e.name in _ITEM]
+    for op in starts:
+        outermost = None
+        while op is not None:
+            if op.name in _READS:
+                outermost = op
+            op = op.parent
+        if outermost is not None and outermost.line is not None and id(outermost) not in found:
+            found.add(id(outermost))
+            reads[(outermost.line, _READS[outermost.name])] += 1
+    out = []
+    for (line, what), n in reads.most_common():
+        if n > runs:
+            where = line_names.get(line, (line, ""))[0]
+            where = f"line {where}" if where.isdigit() else where
+            per_run = "" if runs == 1 else f" in {plural(runs, 'run')}"
+            out.append(f"{what} {plural(n, 'time')} on {where}{per_run} (a loop: each waits "
+                       "for the device)")
+    return out
+
+
+# --- recording ----------------------------------------------------------------------------
+
+
+class LineTracer:
+    """Opens a profiler range per executed line of the watched code (see the module's
+    docstring); `names` maps each range's name to the line's (where, code)."""
+
+    def __init__(
+        self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = ()
+    ) -> None:
+        self.cell_file = cell_file
+        self.cell_label = cell_label
+        self.codes: dict[CodeType, str] = {}  # -f functions' code objects -> their label
+        for fn, label in functions:
+            for code in _codes(fn.__code__):
+                self.codes[code] = label
+        self.names: dict[str, tuple[str, str]] = {}
+        self._keys: dict[tuple[str, int], str] = {}
+        self._previous: Any = None
+        self._range = _range_type()
+
+    def _name(self, code: CodeType, lineno: int) -> str:
+        key = (code.co_filename, lineno)
+        name = self._keys.get(key)
+        if name is None:
+            if code.co_filename == self.cell_file:
+                where = str(lineno)
+            else:
+                where = f"{self.codes.get(code, code.co_name)} {lineno}"
+            text = linecache.getline(code.co_filename, lineno).strip()
+            name = f"{LINE_PREFIX}{self.cell_label} {where}: {text[:80]}"
+            self._keys[key] = name
+            self.names[name] = (where, text)
+        return name
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if code.co_filename != self.cell_file and code not in self.codes:
+            return None
+        opened: list[Any] = []
+        enter, name_of = self._range, self._name
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                if opened:
+                    opened.pop().__exit__(None, None, None)
+                span = enter(name_of(frame.f_code, frame.f_lineno))
+                span.__enter__()
+                opened.append(span)
+            elif event == "return" and opened:
+                opened.pop().__exit__(None, None, None)
+            return local
+
+        return local
+
+    def start(self) -> None:
+        self._previous = sys.gettrace()
+        sys.settrace(self._call)
+
+    def stop(self) -> None:
+        sys.settrace(self._previous)
+        self._previous = None
+
+
+def _range_type() -> Callable[[str], Any]:
+    fast = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+    return fast if fast is not None else torch.autograd.profiler.record_function
+
+
+def _codes(code: CodeType) -> Iterator[CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _codes(const)
+
+
+def function_label(fn: Any, cell: str | None) -> str:
+    """`train (In[3])`: a function and the cell (else the file) that defines it."""
+    return f"{fn.__qualname__} ({cell or os.path.basename(fn.__code__.co_filename)})"
+
+
+def functions(
+    namespace: dict[str, Any], names: Sequence[str], cell_of: Callable[[str], str | None]
+) -> list[tuple[Any, str]]:
+    """`-f NAME...`: each function and its label; `cell_of(filename)` names a cell."""
+    found = [resolve_function(namespace, name) for name in names]
+    return [(fn, function_label(fn, cell_of(fn.__code__.co_filename))) for fn in found]
+
+
+def resolve_function(namespace: dict[str, Any], name: str) -> Any:
+    """The Python function `name` (an expression: `train`, `model.forward`) names."""
+    try:
+        obj = eval(name, namespace)  # the user's own expression, in their namespace
+    except Exception as err:
+        raise DeviceMagicError(
+            f"-f {name}: cannot find it ({type(err).__name__}: {err})"
+        ) from None
+    if isinstance(obj, torch.nn.Module):
+        obj = type(obj).forward
+    obj = getattr(obj, "__func__", obj)
+    while hasattr(obj, "__wrapped__"):
+        obj = obj.__wrapped__
+    if not hasattr(obj, "__code__"):
+        raise DeviceMagicError(
+            f"-f {name}: {type(obj).__name__} is not a Python function (give a function, a "
+            "method or a module, whose forward is taken)"
+        )
+    return obj
+
+
+@contextlib.contextmanager
+def quiet_stderr(heard: list[str]) -> Iterator[None]:
+    """Keep kineto's start/stop lines, which go straight to file descriptor 2, out of the
+    user's output; what else was written there comes back on `sys.stderr`, and all of it
+    is appended to `heard`."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 to catch: let it be
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode(errors="replace")
+            heard.append(text)
+            kept = [ln for ln in text.splitlines()
+                    if ln.strip() and not any(n in ln for n in _NOISE) and "CUPTI" not in ln]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+
+
+def refuse_if_recording(active: bool) -> None:
+    """`%%profile` under `%%profile`, or under a torch.profiler the user started, is refused."""
+    if active:
+        raise DeviceMagicError("%%profile cannot run inside %%profile: profile the outer cell")
+    if torch.autograd.profiler._is_profiler_enabled:
+        raise DeviceMagicError(
+            "%%profile: a torch.profiler is already recording; stop it first (prof.stop(), or "
+            "leave its `with` block)"
+        )
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class ProfileReport:
+    """What `%%profile` shows, as data: the overview's figures and the three tables.
+
+    `profiler` is torch's own `torch.profiler.profile` object, for `key_averages()`.
+    """
+
+    label: str
+    runs: int
+    wall_s: float
+    measurement: Measurement | None
+    analysis: Analysis
+    trace_path: str | None
+    plain_wall_s: float | None = None  # a plain run of the same code, where one is known
+    plain_from: str | None = None  # where that figure comes from
+    partial: str | None = None  # why the profile is partial (the cell raised)
+    notes: list[str] = field(default_factory=list)
+    profiler: Any = None
+    timeline: Any = None  # the --memory timeline
+    sort: str = "self"
+
+    @property
+    def ops(self) -> list[OpRow]:
+        return self.analysis.ops
+
+    @property
+    def kernels(self) -> list[KernelRow]:
+        return self.analysis.kernels
+
+    @property
+    def lines(self) -> list[LineRow]:
+        return self.analysis.lines
+
+    def overview(self) -> str:
+        a = self.analysis
+        runs = plural(self.runs, "run")
+        wall = f"wall {fmt_seconds(self.wall_s)}"
+        if self.runs > 1:
+            wall += f" ({fmt_seconds(self.wall_s / self.runs)} a run)"
+        if self.plain_wall_s:
+            wall += (f", {self.wall_s / self.runs / self.plain_wall_s:.2f}x the plain run "
+                     f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
+        parts = [f"%%profile {self.label}: {runs}, {wall}"]
+        device = self.measurement.device if self.measurement is not None else None
+        if a.device_recorded and a.device_busy_s is not None:
+            share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
+            parts.append(f"{device or 'device'} busy {fmt_seconds(a.device_busy_s)} "
+                         f"({share:.0%} of the wall)")
+            parts.append(f"{a.launches:,} kernel launch{'' if a.launches == 1 else 'es'}")
+            size = "" if a.copy_bytes is None else f" ({fmt_bytes(a.copy_bytes)})"
+            parts.append(f"{a.copies:,} host-device cop{'y' if a.copies == 1 else 'ies'}{size}")
+            parts.append(plural(a.syncs, "synchronisation"))
+        parts.append(plural(a.op_calls, "op call"))
+        if self.trace_path is not None:
+            parts.append(f"trace {self.trace_path}")
+        return " | ".join(parts)
+
+    def tables(self) -> list[Table]:
+        a = self.analysis
+        device = a.device_recorded
+        notes = list(self.notes) + [f"stall: {s}" for s in a.stalls]
+        out = [Table(self.overview(), [], [], notes)]
+        if self.partial is not None:
+            out.insert(0, Table(f"PARTIAL: {self.partial}", [], []))
+        if a.lines:
+            out.append(self._line_table())
+        head = ["op", "calls", "self CPU", "total CPU"] + (["device"] if device else [])
+        head += ["allocated", "input shapes (most frequent)"]
+        rows = []
+        for r in a.ops:
+            row: list[object] = [r.name, r.calls, fmt_seconds(r.self_cpu_s),
+                                 fmt_seconds(r.total_cpu_s)]
+            if device:
+                row.append(fmt_seconds(r.device_s))
+            row += [fmt_bytes(r.allocated_bytes) if r.allocated_bytes else "-", r.shapes or "-"]
+            rows.append(row)
+        out.append(Table(f"top ops by {_SORT_WORDS[self.sort]}", head, rows))
+        if a.kernels:
+            out.append(Table(
+                "top kernels by device time", ["kernel", "calls", "device", "launched by"],
+                [[_short(k.name), k.calls, fmt_seconds(k.device_s), k.launched_by]
+                 for k in a.kernels],
+            ))
+        if self.timeline is not None:
+            out.append(self.timeline)
+        return out
+
+    def _line_table(self) -> Table:
+        a = self.analysis
+        device = a.device_recorded
+        head = ["line", "hits", "wall", "torch CPU"] + (["device"] if device else [])
+        head += ["allocated", "code"]
+        rows = []
+        for r in a.lines:
+            row: list[object] = [r.where, r.hits, fmt_seconds(r.wall_s),
+                                 fmt_seconds(r.cpu_s)]
+            if device:
+                row.append(fmt_seconds(r.device_s))
+            row += [fmt_bytes(r.allocated_bytes) if r.allocated_bytes else "-", _short(r.code)]
+            rows.append(row)
+        notes = []
+        slowest = self.slowest_line()
+        if slowest is not None and self.wall_s:
+            notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
+                         f"the wall: {_short(slowest.code)}")
+        return Table("by line (each event goes to the innermost line of the cell running)",
+                     head, rows, notes)
+
+    def slowest_line(self) -> LineRow | None:
+        return max(self.lines, key=lambda r: r.wall_s, default=None)
+
+    def __str__(self) -> str:
+        return "\n\n".join(t.text() for t in self.tables() if hasattr(t, "text"))
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        parts = []
+        for t in self.tables():
+            bundle = t._repr_mimebundle_()
+            parts.append(bundle.get("text/html") or bundle["text/plain"])
+        return {"text/plain": str(self), "text/html": "".join(parts)}
+
+
+_SORT_WORDS = {"self": "self CPU time", "total": "total CPU time", "device": "device time",
+               "memory": "memory allocated"}
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# --- one capture ----------------------------------------------------------------------------
+
+
+@dataclass
+class Capture:
+    """One `%%profile`: the settings, the cell, and where its lines are."""
+
+    run: Callable[[], Any]
+    cell_file: str
+    label: str
+    options: Options = field(default_factory=Options)
+    functions: Sequence[tuple[Any, str]] = ()  # -f: (function, its label)
+    plain_wall_s: float | None = None
+    plain_from: str | None = None
+    source: str = ""  # the cell's code, for the memory timeline's labels
+
+    def __call__(
+        self, show_partial: Callable[[ProfileReport], None]
+    ) -> tuple[ProfileReport | None, Any]:
+        """Run the cell profiled; the report (None, said in one line, where reading the
+        profile failed) and the last run's value. If the cell raises (or Ctrl-C), the
+        partial report goes to `show_partial` before the error propagates; the profiler
+        is stopped either way."""
+        __tracebackhide__ = True
+        opts = self.options
+        for i in range(opts.warmup):
+            t0 = clock()
+            self.run()
+            if i == opts.warmup - 1:  # the best plain figure: just now, same code
+                _sync()
+                self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
+        cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
+        heard: list[str] = []
+        prof = _profiler(cuda)
+        tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
+        meter = Meter(sync=True)
+        value = measured = recorder = None
+        # kineto writes to descriptor 2 at start and stop, and torch's allocator once
+        # when a block made before the start is freed: all of the capture is covered.
+        with quiet_stderr(heard):
+            try:
+                _start(prof, heard)
+            except RuntimeError as err:  # kineto refused (another profiler, a broken build)
+                raise DeviceMagicError(
+                    f"%%profile could not start torch.profiler: {first_sentence(err)}"
+                ) from None
+            try:
+                prof.add_metadata_json("distributedInfo", json.dumps(
+                    {"backend": "none", "rank": 0, "world_size": 1}))
+                meter.start()
+                if tracer is not None:
+                    tracer.start()
+                try:
+                    with _memory(self.cell_file, opts.memory) as recorder:
+                        for _ in range(opts.runs):
+                            value = self.run()
+                finally:
+                    if tracer is not None:
+                        tracer.stop()
+                measured = meter.stop()
+            except BaseException as err:
+                prof.stop()
+                meter.close()
+                try:
+                    show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
+                                              partial=err))
+                except Exception:  # ours: the cell's own error is the one to see
+                    _log.debug("the partial profile could not be made", exc_info=True)
+                raise
+            prof.stop()
+            meter.close()
+        try:
+            return self._report(prof, tracer, measured, heard, cuda, recorder), value
+        except Exception as err:  # the cell ran: its value is kept, and our fault said
+            _log.debug("the profile could not be made", exc_info=True)
+            print(f"%%profile could not read the profile: {first_sentence(err, named=True)}")
+            return None, value
+
+    def _report(
+        self, prof: Any, tracer: LineTracer | None, measured: Measurement | None,
+        heard: list[str], cuda: bool, recorder: Any = None,
+        partial: BaseException | None = None,
+    ) -> ProfileReport:
+        opts = self.options
+        events = from_kineto(prof.profiler.kineto_results)
+        names = tracer.names if tracer is not None else {}
+        in_use = cuda or (measured is not None and measured.device is not None)
+        analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
+                           device_in_use=in_use)
+        notes = _device_notes(analysis, events, heard, cuda)
+        if not cuda and runtime_up("cuda"):
+            notes.append("CUDA started in this cell, after recording began: its device "
+                         "activity is not in this profile (run the cell again, or --warmup 1)")
+        if opts.sort == "device" and not analysis.device_recorded:
+            notes.append("--sort device: no device activity was recorded, so by self CPU time")
+        wall = measured.wall_s if measured is not None else max(
+            (e.end_ns for e in events), default=0) / 1e9
+        trace = self._write_trace(prof, notes)
+        why = None
+        if partial is not None:
+            what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
+                f"the cell raised {type(partial).__name__}")
+            why = f"{what}; the profile covers the cell up to there"
+        return ProfileReport(
+            label=self.label, runs=opts.runs, wall_s=wall, measurement=measured,
+            analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
+            plain_from=self.plain_from, partial=why, notes=notes, profiler=prof, sort=opts.sort,
+            timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
+        )
+
+    def _timeline(self, prof: Any, recorder: Any, notes: list[str]) -> Any:
+        """The memory timeline: the CUDA allocator's history where CUDA was used, else the
+        profiler's memory events."""
+        from . import memtimeline
+
+        try:
+            timeline = recorder.timeline() if recorder is not None else None
+            if timeline is None:
+                timeline = memtimeline.from_profiler(prof, self.cell_file, self.source)
+        except Exception as err:  # ours: the profile itself is still shown
+            _log.debug("the memory timeline failed", exc_info=True)
+            notes.append(f"the memory timeline could not be drawn: {first_sentence(err, True)}")
+            return None
+        return timeline
+    def _write_trace(self, prof: Any, notes: list[str]) -> str | None:
+        """Write the trace; kineto says a failure only on stderr, so the file is opened
+        here first, and kineto's lines are caught like its others."""
+        path = self.options.trace
+        try:
+            if path is None:
+                fd, path = tempfile.mkstemp(
+                    prefix=f"tdm-profile-{self.label.replace('[', '').replace(']', '')}-",
+                    suffix=".json")
+                os.close(fd)
+            path = os.path.expanduser(path)
+            with open(path, "w"):
+                pass
+            with quiet_stderr([]):
+                prof.export_chrome_trace(path)
+            if not os.path.getsize(path):
+                raise OSError("kineto wrote nothing")
+        except (OSError, RuntimeError) as err:
+            why = getattr(err, "strerror", None) or err
+            notes.append(f"the trace could not be written to {path}: {why}")
+            return None
+        return path
+
+
+def _device_notes(
+    analysis: Analysis, events: list[Event], heard: list[str], cuda: bool
+) -> list[str]:
+    """One line where CUDA was up but its activity could not be recorded."""
+    if not cuda or analysis.device_recorded:
+        return []
+    said = "\n".join(heard)
+    on_device = any(e.kind == "memory" and e.on_device for e in events)
+    if "CUPTI" in said or "disabling CUDA profiling" in said or on_device:
+        why = ("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES" if "INSUFFICIENT_PRIVILEGES" in said
+               else "this torch cannot profile CUDA" if "disabling CUDA profiling" in said
+               else "CUPTI missing or refused")
+        return [f"the device's activity could not be recorded ({why}): the CPU side only"]
+    return []
+
+
+@contextlib.contextmanager
+def _memory(cell_file: str, on: bool) -> Iterator[Any]:
+    """With --memory, the CUDA allocator's history for the block (None where not asked)."""
+    if not on:
+        yield None
+        return
+    from . import memtimeline
+
+    with memtimeline.recording(cell_file) as recorder:
+        yield recorder
+
+
+def _sync() -> None:
+    from .probes import active_accelerator
+
+    accel = active_accelerator()
+    if accel is not None:
+        accel.synchronize()
+
+
+def _profiler(cuda: bool) -> Any:
+    """torch's profiler, recording CUDA only where asked."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return profile(activities=activities, record_shapes=True, profile_memory=True)
+
+
+def _start(prof: Any, heard: list[str]) -> None:
+    """Start recording; what torch warned goes to `heard` ('CUDA is not available,
+    disabling CUDA profiling'), not to the user."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        prof.start()
+    heard.extend(str(w.message) for w in warned)

@@ -66,7 +66,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -551,8 +551,29 @@ def _walkable(cls: type) -> bool:
 
 
 def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
+    # In inference mode (`%%nograd --inference`) copies would be inference tensors, which
+    # autograd and optimizers refuse for good: the move makes the kind it finds.
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return _execute_as_found(plan, ns, device, undo, _inference(plan.tensors))
+    return _execute_as_found(plan, ns, device, undo, ())
+
+
+def _inference(tensors: list[Tensor]) -> set[int]:
+    """The indices of the inference tensors among `tensors` (read only in inference mode:
+    outside it no copy is one, and an inference tensor's copy is a normal tensor)."""
+    return set(itertools.compress(itertools.count(), map(Tensor.is_inference, tensors)))
+
+
+def _execute_as_found(
+    plan: _Plan,
+    ns: dict,
+    device: torch.device | None,
+    undo: _Undo | None,
+    inference: Collection[int],
+) -> MoveResult:
     start = time.perf_counter()
-    news = _copy_all(plan)
+    news = _copy_all(plan, inference)
     if isinstance(news, str):
         raise DeviceMagicError(news)  # outside any except block: no tensors ride on it
     home = undo.home if undo is not None else None
@@ -591,8 +612,9 @@ def _first_target(plan: _Plan) -> torch.device:
     return plan.targets[0] if plan.tensors else torch.device("cpu")
 
 
-def _copy_all(plan: _Plan) -> list[Tensor] | str:
-    """Phase 2: a copy of each planned tensor, in plan order, or the one-sentence reason why not."""
+def _copy_all(plan: _Plan, inference: Collection[int] = ()) -> list[Tensor] | str:
+    """Phase 2: a copy of each planned tensor, in plan order, or the one-sentence reason why
+    not; those at the indices `inference` are copied in inference mode."""
     tensors, targets = plan.tensors, plan.targets
     if not tensors:
         return []
@@ -603,16 +625,18 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
     try:
         with torch.no_grad():
             for group in plan.shared.values():  # each as one span
-                _copy_storage(plan, group, spans)
+                with _kind(group[0] in inference):
+                    _copy_storage(plan, group, spans)
                 if bar is not None:
                     probes.synchronize(targets[group[0]])
                     bar.update(plan.nbytes[group[0]])
             group = None
-            if spans or bar is not None:
+            if spans or bar is not None or inference:
                 for i, (t, target) in enumerate(zip(tensors, targets)):
                     new = spans.pop(i, None)
                     if new is None:  # a tensor with a storage of its own
-                        new = t.to(target)
+                        with _kind(i in inference):
+                            new = t.to(target)
                         if bar is not None:
                             probes.synchronize(target)
                             bar.update(plan.nbytes[i])
@@ -639,6 +663,11 @@ def _copy_all(plan: _Plan) -> list[Tensor] | str:
             bar.close()
 
 
+def _kind(inference: bool) -> contextlib.AbstractContextManager:
+    """Where a copy is made: in inference mode for an inference tensor's, else as it is."""
+    return torch.inference_mode() if inference else contextlib.nullcontext()
+
+
 def _copy_storage(plan: _Plan, members: list[int], spans: dict[int, Tensor]) -> None:
     """Copy the tensors `members` of `plan`, which share a storage, as one span of bytes."""
     # Each is rebuilt on the copied span at its own offset, so that they still share it.
@@ -649,16 +678,40 @@ def _copy_storage(plan: _Plan, members: list[int], spans: dict[int, Tensor]) -> 
     src = torch.empty(0, dtype=torch.uint8, device=first.device)
     src.set_(first.untyped_storage(), lo, (n,), (1,))
     storage = src.to(target).untyped_storage()
+    bases = {  # (a lazy bit would be set twice on a view of its copy)
+        id(t): j
+        for t, j in zip(group, members, strict=True)
+        if t._base is None and not (t.is_conj() or t.is_neg())
+    }
+    views = []  # a view of a tensor of the group: made a view of its base's copy, below
     for t, j in zip(group, members, strict=True):
-        size = t.element_size()
+        if id(t._base) in bases:
+            views.append((t, j))
+            continue
         new = torch.empty(0, dtype=t.dtype, device=target)
-        new.set_(storage, t.storage_offset() - lo // size, t.size(), t.stride())
-        # A lazy view (`c.conj()`, `r._neg_view()`) is its bytes and a bit: set it again.
-        if t.is_neg():
-            new = new._neg_view()
-        if t.is_conj():
-            new = new.conj()
-        spans[j] = new
+        new.set_(storage, t.storage_offset() - lo // t.element_size(), t.size(), t.stride())
+        spans[j] = _lazy_bits(t, new)
+    for t, j in views:
+        # So that, once swapped, `t._base` is its base's object, and they share the version
+        # counter that lets autograd see an in-place change to either.
+        base = spans[bases[id(t._base)]]
+        offset = t.storage_offset() - lo // t.element_size()
+        if t.dtype == base.dtype:
+            new = base.as_strided(t.size(), t.stride(), offset)
+        else:  # `view(dtype)`, which torch does not make a view of its base either
+            new = torch.empty(0, dtype=t.dtype, device=target)
+            new.set_(storage, offset, t.size(), t.stride())
+        spans[j] = _lazy_bits(t, new)
+
+
+def _lazy_bits(t: Tensor, new: Tensor) -> Tensor:
+    """`new` with the lazy bits of `t`: a lazy view (`c.conj()`, `r._neg_view()`) is its
+    bytes and a bit, which a copy of its bytes does not carry."""
+    if t.is_neg():
+        new = new._neg_view()
+    if t.is_conj():
+        new = new.conj()
+    return new
 
 
 def _span(group: list[Tensor]) -> tuple[int, int]:

@@ -103,14 +103,17 @@ _IS_META = operator.attrgetter("is_meta")
 _DEVICE = operator.attrgetter("device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _OOM = getattr(torch, "OutOfMemoryError", ())
-# Whether the walk enters an object of a type, learnt once a type (`_walkable`).
-_WALKABLE: dict[type, bool] = {t: False for t in (int, float, complex, bool, str, bytes)}
-_WALKABLE[type(None)] = False
+# Whether the walk enters an object of a type: the builtin ones; a plan learns the others
+# once a type (`_walkable`), and forgets them with the plan, so that no class of the user's
+# is kept alive (a class defined in a cell, run again, `%reload_ext`).
+_WALKABLE = dict.fromkeys((int, float, complex, bool, str, bytes, type(None)), False)
 # The holders whose entries a move may rebind: their `__setitem__` runs no code of the user's.
 _REBINDABLE = PLAIN_MAPPINGS | {list}
 # What `sys.getrefcount` reads, in a `map` over the plan's list, for a tensor with one holder.
 _HELD_ONCE = next(map(sys.getrefcount, [object()])) + 1
 _PLAIN_REFERENTS = len(gc.get_referents(torch.empty(0)))  # a tensor without attributes
+_PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
+_MISSING = object()
 
 
 @dataclass
@@ -229,7 +232,7 @@ class _Frame(NamedTuple):
 # The plan's columns: one entry per tensor, in the order found, dropped together (a list).
 _COLUMNS = ("tensors", "keys", "targets")
 # Lists of indices into the columns.
-_INDICES = ("requiring_grad", "with_history")
+_INDICES = ("requiring_grad", "with_history", "special")
 
 
 class _Plan:
@@ -262,7 +265,13 @@ class _Plan:
         self.module_home: dict[int, torch.device] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.skipped: list[str] = []  # what the walk did not look into, and why
+        # Subclasses that keep their data in Python attributes (a jagged nested tensor, a
+        # MaskedTensor, `__tensor_flatten__` wrappers): copied by their own `.to`, and their
+        # attributes are swapped with the C++ tensor.
+        self.special: list[int] = []
+        self.exact = 0  # how many were planned at once (`_all_tensors`): plain tensors
         self.budget = 0  # objects other than tensors the walk may still look at for this name
+        self.walkable = dict(_WALKABLE)  # by type: whether the walk enters its objects
 
     @classmethod
     def to(cls, device: torch.device) -> _Plan:
@@ -290,7 +299,17 @@ class _Plan:
                     f"{name} past its first {WALK_LIMIT:,} objects other than tensors"
                 )
             self.names.append((name, first, len(self.tensors)))
+        if self.exact < len(self.tensors):
+            self._find_special()
         self._group()
+
+    def _find_special(self) -> None:
+        tensors = self.tensors
+        kinds = set(map(type, tensors)) - _PLAIN_TENSORS
+        if kinds:
+            self.special = [
+                i for i, t in enumerate(tensors) if type(t) in kinds and _keeps_data(t)
+            ]
 
     def _walk(self, ns: dict, name: str) -> None:
         # Depth first, in order, one holder's entries at a time: the stack holds an
@@ -384,6 +403,7 @@ class _Plan:
             return False
         start = len(self.tensors)
         self.tensors += values
+        self.exact += len(values)
         self.keys += obj.keys() if isinstance(obj, dict) else range(len(obj))
         self.runs.append(_Run(start, len(self.tensors), where, False, holder))
         return True
@@ -406,7 +426,7 @@ class _Plan:
         # a tensor, a tenth of the move to meta.
         tensors, targets, keys = self.tensors, self.targets, self.keys
         device, home = self.device, self.home
-        walkable, budget = _WALKABLE, self.budget
+        walkable, budget = self.walkable, self.budget
         to_meta = device is not None and device.type == "meta"
         start = len(tensors)
         found = None
@@ -417,7 +437,7 @@ class _Plan:
                     break
                 entered = walkable.get(type(t))
                 if entered is None:
-                    entered = _walkable(type(t))
+                    entered = walkable[type(t)] = _walkable(type(t))
                 if entered:
                     found = t, _Where(where, key, is_attr), inherited
                     break
@@ -544,10 +564,9 @@ class _Same:
 
 
 def _walkable(cls: type) -> bool:
-    """Whether the walk enters objects of type `cls` (learnt once a type: the walk's hot path)."""
-    entered = issubclass(cls, (torch.nn.Module, torch.optim.Optimizer)) or is_container(cls)
-    _WALKABLE[cls] = entered
-    return entered
+    """Whether the walk enters objects of type `cls` (learnt once a type a plan: the walk's
+    hot path)."""
+    return issubclass(cls, (torch.nn.Module, torch.optim.Optimizer)) or is_container(cls)
 
 
 def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
@@ -645,10 +664,14 @@ def _copy_all(plan: _Plan, inference: Collection[int] = ()) -> list[Tensor] | st
                 news.extend(map(Tensor.to, tensors, targets))
             for j in plan.requiring_grad:
                 news[j].requires_grad_(True)  # under no_grad, `.to` of a leaf gives one without
+            for j in plan.special:
+                _check_followed(tensors[j], news[j], targets[j], j)
         return news
     except BaseException as exc:
         # What failed: a span, or the `.to` after the copies made (`extend` keeps those too).
         failed = group or [min(len(news), len(tensors) - 1)]
+        if isinstance(exc, _LeftBehind):
+            failed = [exc.index]
         news.clear()
         spans.clear()
         traceback.clear_frames(exc.__traceback__)  # the frames below hold copies too
@@ -729,6 +752,45 @@ def _span(group: list[Tensor]) -> tuple[int, int]:
     return lo, hi - lo
 
 
+class _LeftBehind(Exception):
+    """A subclass's own `.to` left some of its data behind: the copy at `index`."""
+
+    def __init__(self, reason: str, index: int) -> None:
+        super().__init__(reason)
+        self.index = index
+
+
+def _check_followed(t: Tensor, new: Tensor, target: torch.device, index: int) -> None:
+    """Raise `_LeftBehind` unless `new`, the copy of `t` made by its class's own `.to`, is of
+    its class and holds its data on `target`: its C++ tensor says so, its attributes too."""
+    kind = type(t).__name__
+    if type(new) is not type(t):
+        raise _LeftBehind(f"its class {kind} copies itself as a {type(new).__name__}", index)
+    inner = vars(new)
+    if hasattr(new, "__tensor_flatten__"):
+        inner = {name: getattr(new, name) for name in new.__tensor_flatten__()[0]}
+    # ... and what only the original has, which stays with it
+    kept = {k: v for k, v in vars(t).items() if k not in vars(new)}
+    left = sorted(
+        name
+        for name, v in itertools.chain(inner.items(), kept.items())
+        if isinstance(v, Tensor) and v.device != target and not _host_metadata(t, name)
+    )
+    if left or new.device != target:
+        where = ", ".join(left) or "its data"
+        raise _LeftBehind(
+            f"it is a {kind}, which keeps tensors in Python attributes, and its own .to "
+            f"left {where} on {t.device}",
+            index,
+        )
+
+
+def _host_metadata(t: Tensor, name: str) -> bool:
+    """Whether the inner tensor `name` of `t` is metadata its class keeps on the host
+    whatever its device (a jagged nested tensor's cached sequence lengths)."""
+    return t.is_nested and name in ("_min_seqlen_tensor", "_max_seqlen_tensor")
+
+
 def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
     t = plan.tensors[members[0]]
     what = _label(plan.where(members[0]))
@@ -738,9 +800,22 @@ def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
     elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():
         free = probes.free_bytes(target)
         reason = "out of memory" + (f" with {fmt_bytes(free)} free" if free is not None else "")
+    elif isinstance(exc, _LeftBehind):
+        reason = str(exc)
     else:
-        reason = first_sentence(exc)
+        reason = _reason(t, exc)
     return f"Could not move {what} ({size}) to {target}: {reason}; nothing was moved."
+
+
+def _reason(t: Tensor, exc: Exception) -> str:
+    """Why copying `t` raised `exc`, as a sentence: a KeyError's message is the key it
+    missed (a jagged nested tensor's `.to` says `<weakref at 0x...>`), which tells nothing."""
+    line = first_sentence(exc)
+    if isinstance(exc, KeyError) or line.startswith("<") or line == type(exc).__name__:
+        if type(t) in _PLAIN_TENSORS:
+            return f"copying it failed with a {type(exc).__name__}"
+        return f"its class's own .to ({type(t).__name__}.to) failed with a {type(exc).__name__}"
+    return line
 
 
 def _commit(
@@ -755,7 +830,9 @@ def _commit(
     # Under `_execute`'s SIGINT hold: `interrupted` holds what it caught so far.
     try:
         # Once restorable, the move keeps the very objects: none is rebound.
-        notes, replaced, swapped = _apply(ns, plan, news, undo_log, rebind=undo is None)
+        notes, replaced, swapped = _apply(
+            ns, plan, news, undo_log, rebind=undo is None, keep_originals=keep_originals
+        )
     except Exception as exc:
         failure = (
             f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
@@ -785,17 +862,29 @@ def _apply(
     news: list[Tensor],
     undo_log: list[Callable[[], object]],
     rebind: bool,
+    keep_originals: bool = False,
 ) -> tuple[list[str], dict[int, Tensor], Sequence[int]]:
     """The commit's changes, each logged in `undo_log` with what undoes it; returns the notes,
     the new tensors that replace those (by index) that could not be changed in place, and
-    the indices of those swapped. With `rebind`, what nothing else can observe is rebound."""
+    the indices of those swapped. With `rebind`, what nothing else can observe is rebound.
+    With `keep_originals` (a restorable move to meta), a subclass that keeps its data in
+    Python attributes is replaced for the cell, so that its original object comes back."""
     tensors = plan.tensors
     undo_log.append(functools.partial(_reattach_grads, list(plan.grads.values()), {}))
     lone = _lone(plan) if rebind else []
     at = _others(len(tensors), lone)
+    special = set(plan.special)
+    if keep_originals and special:
+        at = [i for i in at if i not in special]
     refused = _swap_all(tensors, news, at)
     swapped = at if not refused else [i for i in at if i not in set(refused)]
     undo_log.append(functools.partial(_swap_all, tensors, news, swapped))
+    if special:  # their data is in their attributes: those follow the C++ tensor
+        states = [i for i in swapped if i in special]
+        undo_log.append(functools.partial(_swap_states, tensors, news, states))
+        _swap_states(tensors, news, states)
+        if keep_originals:
+            refused += sorted(special)
     for holder, run in lone:  # in C, one holder at a time
         keys = _pick(plan.keys, run)
         undo_log.append(functools.partial(_set_all, holder, keys, _pick(tensors, run)))
@@ -809,7 +898,14 @@ def _apply(
     for i in refused:
         t, new = tensors[i], news[i]
         why = "torch cannot swap it" if _swap_impl is None else "torch refused to swap it"
-        if torch._has_compatible_shallow_copy_type(t, new):
+        if keep_originals and i in special:
+            replaced[i] = _like(t, new)
+            notes.append(
+                f"{_label(plan.where(i))}: a {type(t).__name__} keeps its data in Python "
+                f"attributes: the cell sees a copy on {new.device}, the restore gives back "
+                "the original object"
+            )
+        elif i not in special and torch._has_compatible_shallow_copy_type(t, new):
             undo_log.append(functools.partial(setattr, t, "data", t.data))
             t.data = new
             notes.append(
@@ -916,7 +1012,7 @@ def _held_elsewhere(plan: _Plan, olds: list[Any], swapped: Sequence[int]) -> lis
         t, old, what = plan.tensors[i], olds[i], _label(plan.where(i))
         if _USE_COUNT(old) == 1:
             continue
-        if torch._has_compatible_shallow_copy_type(t, old):
+        if i not in plan.special and torch._has_compatible_shallow_copy_type(t, old):
             assert _swap_impl is not None  # it swapped them in the commit
             _swap_impl(t, old)  # `t` gets its old C++ tensor back, then the new data
             t.data = old
@@ -991,13 +1087,38 @@ def _poison(old: Tensor, what: str) -> None:
 
 
 def _like(t: Tensor, new: Tensor) -> Tensor:
-    """`new` as the same kind of object as `t`: Parameter class, attributes, leafness."""
+    """`new` as the same kind of object as `t`: Parameter class, attributes, leafness (the
+    attributes a subclass's own `.to` gave `new` stay: they hold its moved data)."""
     if isinstance(t, torch.nn.Parameter):
         new = type(t)(new.detach(), requires_grad=t.requires_grad)
-    elif type(t) is not Tensor:
+    elif type(new) is not type(t):
         new = new.as_subclass(type(t))
-    new.__dict__.update(t.__dict__)
+    mine = new.__dict__
+    for key, value in t.__dict__.items():
+        mine.setdefault(key, value)
     return new
+
+
+def _keeps_data(t: Tensor) -> bool:
+    """Whether `t`, a tensor subclass, keeps tensors in its Python attributes (its data,
+    which its C++ tensor does not hold), or flattens into inner tensors."""
+    return hasattr(t, "__tensor_flatten__") or any(
+        isinstance(v, Tensor) for v in getattr(t, "__dict__", {}).values()
+    )
+
+
+def _swap_states(olds: list[Tensor], news: list[Tensor], at: Iterable[int]) -> None:
+    """Swap the Python attributes that each copy at the indices `at` has (what its class's
+    own `.to` gave it: its data) with its tensor's; those only the tensor has (the user's
+    own) stay. Swapping again undoes it."""
+    for i in at:
+        mine, theirs = olds[i].__dict__, news[i].__dict__
+        for key in list(theirs):
+            a, b = mine.pop(key, _MISSING), theirs.pop(key, _MISSING)
+            if b is not _MISSING:
+                mine[key] = b
+            if a is not _MISSING:
+                theirs[key] = a
 
 
 def _rebind(

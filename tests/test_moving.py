@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 import os
 import signal
 import sys
@@ -185,6 +186,46 @@ def test_views_keep_sharing_storage_with_their_base(target):
     assert (view.storage_offset(), view.shape, view.stride()) == (2, (3, 4), (4, 1))
     assert (t.shape, t.stride()) == ((4, 3), (1, 4))
     assert ints.dtype == torch.int32 and base.device == target
+
+
+def saved_then_changed_in_place(data: torch.Tensor, first: torch.Tensor) -> None:
+    """Save `first` in a graph, change `data` in place: autograd must refuse the backward."""
+    w = torch.ones(first.shape, requires_grad=True, device=first.device)
+    loss = (w * first).sum()  # mul saves `first`
+    data.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("restorable", [False, True])
+def test_a_view_moved_with_its_base_stays_its_view_sharing_the_version_counter(
+    target, restorable
+):
+    data = torch.arange(6.0)
+    first = data[:2]
+    ns = {"data": data, "first": first}
+    moved = moved_all(ns, target, restorable=restorable)
+    assert first._base is data and first.device == target and storage(first) == storage(data)
+    data.add_(1)
+    assert first._version == data._version  # one counter: autograd sees changes to either
+    saved_then_changed_in_place(data, first)
+    if restorable:  # and back (from meta: the originals)
+        restore(ns, moved)
+        assert ns["first"]._base is ns["data"] and ns["data"].device == CPU
+        saved_then_changed_in_place(ns["data"], ns["first"])
+
+
+def test_a_view_of_a_view_and_a_lazy_conjugate_view_keep_their_base_and_bits():
+    z = torch.tensor([1 + 2j, 3 + 4j, 5 + 6j])
+    tail = z[1:]
+    last = tail[1:]  # torch makes it a view of `z` itself
+    conj = z[:2].conj()
+    negated = z._neg_view()
+    ns = {"z": z, "tail": tail, "last": last, "conj": conj, "negated": negated}
+    moved_all(ns, META)
+    assert tail._base is z and last._base is z and conj._base is z
+    assert conj.is_conj() and not z.is_conj() and negated.is_neg() and not z.is_neg()
+    assert {storage(t) for t in ns.values()} == {storage(z)}
 
 
 def test_a_view_named_alone_moves_without_its_base(target):
@@ -977,6 +1018,164 @@ def test_lbfgs_state_in_lists_follows_its_parameters():
     move({"opt": opt}, ["opt"], META)
     assert w.device == META and all(t.device == META for t in tensors)
     assert state["d"].device == META and state["prev_flat_grad"].device == META
+
+
+# --- inference mode ---------------------------------------------------------------------
+
+
+def test_a_move_in_inference_mode_makes_the_kind_of_tensor_it_found():
+    model, opt = trained()
+    with torch.inference_mode():
+        made_there = torch.ones(2)
+    ns = {"model": model, "opt": opt, "made_there": made_there}
+    with torch.inference_mode():  # %%nograd --inference around the move
+        moved_all(ns, META)
+    assert not any(p.is_inference() for p in model.parameters())
+    assert not opt.state[model[0].weight]["exp_avg"].is_inference()
+    assert made_there.is_inference() and made_there.device == META
+    model(torch.randn(8, 3, device=META)).sum().backward()  # refused for inference tensors
+    opt.step()
+    assert model[0].weight.grad.device == META
+
+
+# --- tensor subclasses that keep their data in Python attributes --------------------------
+
+
+class Wrapped(torch.Tensor):
+    """A traceable wrapper subclass, as DTensor and NF4 are: its data is `inner`, a tensor
+    in a Python attribute; its C++ tensor holds none."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, dtype=inner.dtype, device=inner.device
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inners, ctx, size, stride):
+        return Wrapped(inners["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = torch.utils._pytree.tree_map_only
+        args, kwargs = unwrap(Wrapped, lambda w: w.inner, (args, kwargs or {}))
+        return unwrap(torch.Tensor, Wrapped, func(*args, **kwargs))
+
+
+def subclassed() -> dict:
+    """One of each kind, each with an attribute of the user's own."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    masked = torch.masked.masked_tensor(torch.arange(3.0), torch.tensor([True, False, True]))
+    ns = {"nested": nested, "masked": masked, "wrapped": Wrapped(torch.arange(3.0))}
+    for name, t in ns.items():
+        t.note = name
+    return ns
+
+
+def data_of(ns: dict) -> dict:
+    """Where each one's data is: the tensors in its Python attributes."""
+    return {
+        "nested": {ns["nested"]._values.device, ns["nested"]._offsets.device},
+        "masked": {ns["masked"].get_data().device, ns["masked"].get_mask().device},
+        "wrapped": {ns["wrapped"].inner.device},
+    }
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")
+def test_subclasses_that_keep_their_data_in_attributes_move_it_and_keep_identity():
+    ns = subclassed()
+    before = dict(ns)
+    result = moved_all(ns, META)
+    assert data_of(ns) == dict.fromkeys(ns, {META})
+    assert all(ns[k] is before[k] and ns[k].device == META for k in ns)
+    assert [t.note for t in ns.values()] == list(ns) and not result.not_followed
+    assert ns["nested"].shape[0] == 2 and (ns["wrapped"] * 2).inner.device == META
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")
+def test_subclasses_moved_to_meta_restorably_come_back_as_the_same_objects():
+    ns = subclassed()
+    before = dict(ns)
+    moved = moved_all(ns, META, restorable=True)
+    assert data_of(ns) == dict.fromkeys(ns, {META})  # the cell sees them on meta: copies
+    assert len(moved.not_followed) == 3
+    assert "nested: a NestedTensor keeps its data in Python attributes" in moved.not_followed[1]
+    restore(ns, moved)
+    assert all(ns[k] is before[k] for k in ns) and data_of(ns) == dict.fromkeys(ns, {CPU})
+    assert torch.equal(ns["wrapped"].inner, torch.arange(3.0))
+
+
+class Tagged(torch.Tensor):
+    """A subclass whose `.to` does not carry what it keeps in an attribute."""
+
+
+def test_a_subclass_whose_own_to_leaves_data_behind_is_refused_in_one_line():
+    t = torch.ones(3).as_subclass(Tagged)
+    t.scale = torch.ones(1)
+    ns = {"t": t, "x": torch.zeros(2)}
+    before = snapshot(ns)
+    with pytest.raises(DeviceMagicError) as err:
+        moved_all(ns, META)
+    assert str(err.value) == (
+        "Could not move t (12 B) to meta: it is a Tagged, which keeps tensors in Python "
+        "attributes, and its own .to left scale on cpu; nothing was moved."
+    )
+    assert_unchanged(ns, before)
+    assert t.device == CPU and t.scale.device == CPU
+
+
+def test_a_copy_failing_with_a_key_error_says_so_in_a_sentence(monkeypatch):
+    # torch's jagged nested tensors look up their offsets in a registry of weak references:
+    # a miss raises KeyError(<weakref at 0x...>), whose message is that weak reference.
+    t = torch.ones(3).as_subclass(Tagged)
+    t.scale = torch.ones(1)
+
+    def to(self, *args, **kwargs):
+        raise KeyError(weakref.ref(self))
+
+    monkeypatch.setattr(Tagged, "to", to)
+    with pytest.raises(DeviceMagicError) as err:
+        move({"t": t}, ["t"], META)
+    assert str(err.value) == (
+        "Could not move t (12 B) to meta: its class's own .to (Tagged.to) failed with a "
+        "KeyError; nothing was moved."
+    )
+
+
+# --- what a move refuses before copying ----------------------------------------------------
+
+
+def test_a_move_out_of_meta_is_refused_before_any_copy(monkeypatch):
+    ns = {"a": torch.ones(3), "z": torch.ones(3, device=META)}
+    collected = []
+    monkeypatch.setattr(moving.gc, "collect", lambda *args: collected.append(args))
+    with FailOnAllocation(CPU, 0) as copies, pytest.raises(DeviceMagicError) as err:
+        move(ns, ["a", "z"], torch.device("cpu"))
+    assert str(err.value) == (
+        "Could not move z (12 B) to cpu: it is on the meta device, which holds no data; "
+        "nothing was moved."
+    )
+    assert copies.count == 0 and collected == []
+
+
+# --- the walk keeps no class alive -----------------------------------------------------------
+
+
+def test_a_class_the_walk_looked_at_is_not_kept_alive():
+    namespace: dict = {}
+    exec("class Thing:\n    pass", namespace)
+    ns = {"thing": namespace["Thing"](), "x": torch.zeros(1)}
+    ref = weakref.ref(namespace["Thing"])
+    moved_all(ns, META)
+    del namespace, ns
+    gc.collect()
+    assert ref() is None
 
 
 # --- reporting ----------------------------------------------------------------------------

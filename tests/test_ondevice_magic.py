@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from faults import FailOnAllocation
@@ -272,3 +274,47 @@ def test_a_ctrl_c_once_the_move_is_done_still_restores(ip, monkeypatch):
         ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
     assert "ran" not in ip.user_ns  # the cell did not run
     assert ip.user_ns["x"] is x and torch.equal(x, torch.arange(4.0))  # back, with its data
+
+
+@pytest.mark.parametrize("move", [
+    "%%ondevice meta\nout = model(x[:3])\nopt.zero_grad()",
+    "%device meta --move",
+])
+def test_a_move_inside_inference_mode_leaves_tensors_that_train(ip, ns, move):
+    ip.run_cell(f"%%nograd --inference\n{move}")
+    assert ns["model"].weight.device == META and not ns["model"].weight.is_inference()
+    ip.run_cell("opt.zero_grad()\nmodel(torch.ones(2, 3, device='meta')).sum().backward()")
+    ip.run_cell("opt.step()")  # both refuse inference tensors
+    assert ns["model"].weight.grad.device == META
+    assert ns["opt"].state[ns["model"].weight]["exp_avg"].device == META
+
+
+def test_verbose_lists_each_name_with_what_it_holds_counted_once(ip, capsys):
+    # `adam` sorts before `net`: its parameters still count under the model.
+    ip.run_cell(
+        "net = torch.nn.Linear(3, 2)\nadam = torch.optim.Adam(net.parameters())\n"
+        "net(torch.ones(1, 3)).sum().backward()\nadam.step()\nx = torch.ones(4, 3)"
+    )
+    capsys.readouterr()
+    ip.run_cell("%%ondevice meta -v\nadam.zero_grad()\nnet(x).sum().backward()\nadam.step()")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("moved 176 B to meta in ")
+    rows = [line.split(maxsplit=1) for line in out[3:6]]
+    # net: weight and bias and their grads; adam: its moments (`step` stays on the CPU)
+    assert rows == [["net", "64 B"], ["x", "48 B"], ["adam", "64 B"]]
+    assert out[6] == "adam also holds 32 B counted under net"
+
+
+def test_a_move_out_of_meta_is_refused_in_one_line_before_any_copy(ip, ns, monkeypatch):
+    ip.run_cell("z = torch.ones(3, device='meta')")
+    before = state(ip)
+    collected = []  # a failed copy collects garbage to free what it made: 150 ms
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(args))
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%ondevice cpu\nran = True\nz + x[:3]")
+    assert collected == []
+    assert str(err.value) == (
+        "Could not move z (12 B) to cpu: it is on the meta device, which holds no data; "
+        "nothing was moved."
+    )
+    assert "ran" not in ns and state(ip) == before

@@ -188,6 +188,47 @@ def test_ondevice_cell_runs_on_the_test_device(tdmdev, ip):
     assert on(ns["big"]) == {"cpu"}
 
 
+def test_a_view_moved_with_its_base_stays_its_view_there_and_back(tdmdev):
+    data = torch.arange(6.0)
+    first = data[:2]
+    ns = {"data": data, "first": first}
+    for dev in (D0, "cpu"):
+        move(ns, ["data", "first"], torch.device(dev))
+        assert first._base is data and on(data, first) == {dev}
+        assert first.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        w = torch.ones(2, requires_grad=True, device=dev)
+        loss = (w * first).sum()  # saves `first`
+        data.add_(1)  # so the saved `first` is stale: autograd must see it
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")
+def test_subclasses_that_keep_their_data_in_attributes_move_it_there_and_back(tdmdev):
+    from test_moving import data_of, subclassed
+
+    ns = subclassed()
+    before = dict(ns)
+    for dev in (D0, "cpu"):
+        move(ns, list(ns), torch.device(dev))
+        assert data_of(ns) == dict.fromkeys(ns, {torch.device(dev)})
+        assert all(ns[k] is before[k] and str(ns[k].device) == dev for k in ns)
+    assert torch.equal(ns["wrapped"].inner, torch.arange(3.0))
+    assert torch.equal(ns["masked"].get_data(), torch.arange(3.0))
+
+
+def test_a_move_in_inference_mode_to_the_device_leaves_a_model_that_trains(tdmdev, ip):
+    ip.run_cell(
+        "model = torch.nn.Linear(3, 2)\nopt = torch.optim.Adam(model.parameters())\n"
+        "x = torch.ones(4, 3)"
+    )
+    ip.run_cell("%%nograd --inference\n%%ondevice tdmdev:0\nout = model(x)\nopt.zero_grad()")
+    ip.run_cell("model(x).sum().backward()\nopt.step()")  # each refuses inference tensors
+    ns = ip.user_ns
+    assert on(ns["model"].weight, ns["opt"].state[ns["model"].weight]["exp_avg"]) == {D0}
+    assert ns["out"].is_inference()  # what the cell made in inference mode stays so
+
+
 # --- the Meter ----------------------------------------------------------------------
 
 

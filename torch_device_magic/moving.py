@@ -131,6 +131,9 @@ class MoveResult:
     # A Ctrl-C that came once a restorable move was done: held back so that the caller has
     # this result (and can restore) before it raises KeyboardInterrupt itself.
     interrupted: bool = False
+    # Bytes a name holds that are counted under another (a model's parameters, which its
+    # optimizer holds too): one line each.
+    shared: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +148,8 @@ class MoveResult:
         else:
             title = f"nothing to move to {self.device}"
         rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
-        notes = [f"could not follow: {n}" for n in self.not_followed]
+        notes = list(self.shared)
+        notes += [f"could not follow: {n}" for n in self.not_followed]
         notes += [f"not walked: {n}" for n in self.skipped]
         return Table(title, ("name", "bytes"), rows, notes)
 
@@ -167,9 +171,15 @@ class _Undo:
 def move(
     ns: dict, names: Iterable[str], device: torch.device, *, restorable: bool = False
 ) -> MoveResult:
-    """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`)."""
+    """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`).
+
+    Each tensor's bytes count once, under the first name that reaches it, taking the names
+    in alphabetical order but those bound to an optimizer last: a model's parameters count
+    under the model, an optimizer's under it only where no name of a model reaches them.
+    The result says what a name holds that is counted under another (`shared`)."""
     device = _canonical(device)
     names = sorted(n for n in names if n in ns)
+    names.sort(key=lambda n: isinstance(ns[n], torch.optim.Optimizer))  # stable
     plan = _Plan.to(device)
     plan.walk(ns, names)
     undo = None
@@ -271,6 +281,7 @@ class _Plan:
         self.special: list[int] = []
         self.exact = 0  # how many were planned at once (`_all_tensors`): plain tensors
         self.budget = 0  # objects other than tensors the walk may still look at for this name
+        self.counted_under: dict[tuple[str, str], int] = {}  # (name, earlier name): bytes
         self.walkable = dict(_WALKABLE)  # by type: whether the walk enters its objects
 
     @classmethod
@@ -500,6 +511,7 @@ class _Plan:
             keys = [storage_key(t) for t in self.tensors]
             stored = False
         if len(set(keys)) < len(keys):  # a tensor found twice shares a storage with itself
+            self._count_shared(keys)
             keys = self._drop_found_again(keys)
             first: dict[int, int] = {}
             for i, key in enumerate(keys):
@@ -512,6 +524,27 @@ class _Plan:
             self.nbytes[j] = _span([tensors[i] for i in members])[1]
             for i in members[1:]:
                 self.nbytes[i] = 0
+
+    def _count_shared(self, storages: list[int]) -> None:
+        """Note the bytes each name reaches that an earlier name reached first (the same
+        tensor, or one sharing its storage): counted there, and said so (`counted_under`)."""
+        owner: list[str] = []
+        for name, first, last in self.names:
+            owner += [name] * (last - first)
+        found: dict[int, int] = {}
+        for i, key in enumerate(storages):
+            j = found.setdefault(key, i)
+            if owner[j] != owner[i]:
+                pair = owner[i], owner[j]
+                self.counted_under[pair] = (
+                    self.counted_under.get(pair, 0) + stored_bytes(self.tensors[i])
+                )
+
+    def shared_notes(self) -> list[str]:
+        return [
+            f"{name} also holds {fmt_bytes(n)} counted under {earlier}"
+            for (name, earlier), n in self.counted_under.items()
+        ]
 
     def _drop_found_again(self, storages: list[int]) -> list[int]:
         """Keep the first of each tensor found more than once, in every column; return the
@@ -592,6 +625,11 @@ def _execute_as_found(
     inference: Collection[int],
 ) -> MoveResult:
     start = time.perf_counter()
+    if plan.device is None or plan.device.type != "meta":  # (the plan leaves meta ones out)
+        # Nothing can be copied out of meta: refused before any copy is made.
+        on_meta = next(itertools.compress(itertools.count(), map(_IS_META, plan.tensors)), None)
+        if on_meta is not None:
+            raise DeviceMagicError(_failure(plan, [on_meta], plan.targets[on_meta], None))
     news = _copy_all(plan, inference)
     if isinstance(news, str):
         raise DeviceMagicError(news)  # outside any except block: no tensors ride on it
@@ -620,6 +658,7 @@ def _execute_as_found(
             history + notes,
             undo,
             plan.skipped,
+            shared=plan.shared_notes(),
         )
         if interrupted and undo is not None:  # done, and only this result can undo it
             result.interrupted = True
@@ -650,7 +689,7 @@ def _copy_all(plan: _Plan, inference: Collection[int] = ()) -> list[Tensor] | st
                     probes.synchronize(targets[group[0]])
                     bar.update(plan.nbytes[group[0]])
             group = None
-            if spans or bar is not None or inference:
+            if spans or bar is not None or inference or plan.special:  # (`t.to`: its own)
                 for i, (t, target) in enumerate(zip(tensors, targets)):
                     new = spans.pop(i, None)
                     if new is None:  # a tensor with a storage of its own
@@ -791,11 +830,11 @@ def _host_metadata(t: Tensor, name: str) -> bool:
     return t.is_nested and name in ("_min_seqlen_tensor", "_max_seqlen_tensor")
 
 
-def _failure(plan: _Plan, members: list[int], target, exc: Exception) -> str:
+def _failure(plan: _Plan, members: list[int], target, exc: Exception | None) -> str:
     t = plan.tensors[members[0]]
     what = _label(plan.where(members[0]))
     size = fmt_bytes(sum(stored_bytes(plan.tensors[j]) for j in members))
-    if t.device.type == "meta":
+    if exc is None or t.device.type == "meta":  # None: refused in the plan, for that
         reason = "it is on the meta device, which holds no data"
     elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():
         free = probes.free_bytes(target)

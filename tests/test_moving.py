@@ -1092,7 +1092,7 @@ def test_subclasses_that_keep_their_data_in_attributes_move_it_and_keep_identity
     ns = subclassed()
     before = dict(ns)
     result = moved_all(ns, META)
-    assert data_of(ns) == dict.fromkeys(ns, {META})
+    assert data_of(ns) == {key: {META} for key in ns}
     assert all(ns[k] is before[k] and ns[k].device == META for k in ns)
     assert [t.note for t in ns.values()] == list(ns) and not result.not_followed
     assert ns["nested"].shape[0] == 2 and (ns["wrapped"] * 2).inner.device == META
@@ -1103,11 +1103,11 @@ def test_subclasses_moved_to_meta_restorably_come_back_as_the_same_objects():
     ns = subclassed()
     before = dict(ns)
     moved = moved_all(ns, META, restorable=True)
-    assert data_of(ns) == dict.fromkeys(ns, {META})  # the cell sees them on meta: copies
+    assert data_of(ns) == {key: {META} for key in ns}  # the cell sees them on meta: copies
     assert len(moved.not_followed) == 3
     assert "nested: a NestedTensor keeps its data in Python attributes" in moved.not_followed[1]
     restore(ns, moved)
-    assert all(ns[k] is before[k] for k in ns) and data_of(ns) == dict.fromkeys(ns, {CPU})
+    assert all(ns[k] is before[k] for k in ns) and data_of(ns) == {key: {CPU} for key in ns}
     assert torch.equal(ns["wrapped"].inner, torch.arange(3.0))
 
 

@@ -211,7 +211,7 @@ def test_subclasses_that_keep_their_data_in_attributes_move_it_there_and_back(td
     before = dict(ns)
     for dev in (D0, "cpu"):
         move(ns, list(ns), torch.device(dev))
-        assert data_of(ns) == dict.fromkeys(ns, {torch.device(dev)})
+        assert data_of(ns) == {key: {torch.device(dev)} for key in ns}
         assert all(ns[k] is before[k] and str(ns[k].device) == dev for k in ns)
     assert torch.equal(ns["wrapped"].inner, torch.arange(3.0))
     assert torch.equal(ns["masked"].get_data(), torch.arange(3.0))

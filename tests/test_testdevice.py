@@ -201,6 +201,14 @@ def test_a_view_moved_with_its_base_stays_its_view_there_and_back(tdmdev):
         data.add_(1)  # so the saved `first` is stale: autograd must see it
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+    # A graph made before a move between devices of one kind holds the moved data (.data)
+    move(ns, ["data", "first"], torch.device(D0))
+    loss = (torch.ones(2, requires_grad=True, device=D0) * first).sum()
+    move(ns, ["data", "first"], torch.device(D1))
+    assert first._base is data and on(data, first) == {D1}
+    data.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")

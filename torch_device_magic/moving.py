@@ -1046,12 +1046,13 @@ def _held_elsewhere(plan: _Plan, olds: list[Any], swapped: Sequence[int]) -> lis
         return []
     keep = set(held)
     olds[:] = [old if i in keep else None for i, old in enumerate(olds)]
+    special = set(plan.special)
     notes = []
     for i in held:
         t, old, what = plan.tensors[i], olds[i], _label(plan.where(i))
         if _USE_COUNT(old) == 1:
             continue
-        if i not in plan.special and torch._has_compatible_shallow_copy_type(t, old):
+        if i not in special and torch._has_compatible_shallow_copy_type(t, old):
             assert _swap_impl is not None  # it swapped them in the commit
             _swap_impl(t, old)  # `t` gets its old C++ tensor back, then the new data
             t.data = old

@@ -133,7 +133,7 @@ class MoveResult:
     interrupted: bool = False
     # Bytes a name holds that are counted under another (a model's parameters, which its
     # optimizer holds too): one line each.
-    shared: list[str] = field(default_factory=list)
+    counted_under: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +148,7 @@ class MoveResult:
         else:
             title = f"nothing to move to {self.device}"
         rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
-        notes = list(self.shared)
+        notes = list(self.counted_under)
         notes += [f"could not follow: {n}" for n in self.not_followed]
         notes += [f"not walked: {n}" for n in self.skipped]
         return Table(title, ("name", "bytes"), rows, notes)
@@ -176,7 +176,7 @@ def move(
     Each tensor's bytes count once, under the first name that reaches it, taking the names
     in alphabetical order but those bound to an optimizer last: a model's parameters count
     under the model, an optimizer's under it only where no name of a model reaches them.
-    The result says what a name holds that is counted under another (`shared`)."""
+    The result says what a name holds that is counted under another (`counted_under`)."""
     device = _canonical(device)
     names = sorted(n for n in names if n in ns)
     names.sort(key=lambda n: isinstance(ns[n], torch.optim.Optimizer))  # stable
@@ -315,6 +315,7 @@ class _Plan:
         self._group()
 
     def _find_special(self) -> None:
+        """Find the subclasses that keep their data in Python attributes (`special`)."""
         tensors = self.tensors
         kinds = set(map(type, tensors)) - _PLAIN_TENSORS
         if kinds:
@@ -540,7 +541,8 @@ class _Plan:
                     self.counted_under.get(pair, 0) + stored_bytes(self.tensors[i])
                 )
 
-    def shared_notes(self) -> list[str]:
+    def counted_notes(self) -> list[str]:
+        """One line for each name that holds bytes counted under an earlier name."""
         return [
             f"{name} also holds {fmt_bytes(n)} counted under {earlier}"
             for (name, earlier), n in self.counted_under.items()
@@ -658,7 +660,7 @@ def _execute_as_found(
             history + notes,
             undo,
             plan.skipped,
-            shared=plan.shared_notes(),
+            counted_under=plan.counted_notes(),
         )
         if interrupted and undo is not None:  # done, and only this result can undo it
             result.interrupted = True

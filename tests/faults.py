@@ -1,8 +1,12 @@
-"""Fault injection: out of memory (or any error) at the n-th tensor made on a device."""
+"""Fault injection: out of memory (or any error) at the n-th tensor made on a device; a real
+SIGINT some time after a function is first called."""
 
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import threading
 import weakref
 
 import torch
@@ -35,3 +39,25 @@ class FailOnAllocation(TorchDispatchMode):
     def alive(self) -> list[torch.Tensor]:
         gc.collect()
         return [t for t in (ref() for ref in self.made) if t is not None]
+
+
+def sigint_on(monkeypatch, module: object, name: str, delay: float, timers: list) -> None:
+    """Send a real SIGINT `delay` seconds after `module.<name>` is first called (the timer
+    goes into `timers`), from another thread, as a Ctrl-C comes."""
+    real = getattr(module, name)
+
+    def armed(*args, **kwargs):
+        if not timers:
+            timers.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)))
+            timers[0].start()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, armed)
+
+
+def settle(timers: list) -> None:
+    """Wait until the timers' SIGINTs are sent and Python has handled them."""
+    for timer in timers:
+        timer.join()
+    for _ in range(10_000):
+        pass

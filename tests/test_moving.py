@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from faults import FailOnAllocation
+from faults import FailOnAllocation, settle, sigint_on
 
 from torch_device_magic import moving, probes
 from torch_device_magic.cells import cell_names
@@ -717,6 +717,7 @@ def test_an_error_in_the_commit_undoes_it_and_says_so_in_one_line(monkeypatch):
 
 
 BIG = 300_000
+RESTORE_INTERRUPTED = "Ctrl-C during --restore: it finished first, everything went back"
 
 
 def interrupted_move(ns: dict, restorable: bool, delay: float, when):
@@ -789,10 +790,94 @@ def test_a_sigint_during_a_restore_waits_until_it_ends(monkeypatch):
         return swap_all(*args, **kwargs)
 
     monkeypatch.setattr(moving, "_swap_all", swapping)
-    with pytest.raises(KeyboardInterrupt):
-        restore(ns, result)
+    back = restore(ns, result)  # the caller raises KeyboardInterrupt, once it has this
+    assert back.interrupted and back.said == [RESTORE_INTERRUPTED]
     assert all(t.device == CPU for t in tensors)
     assert torch.equal(torch.cat(tensors), torch.arange(1000.0))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.003, 0.03])
+def test_a_real_sigint_anywhere_in_a_restore_from_meta_loses_nothing(monkeypatch, delay):
+    n = BIG // 3  # a restore of a tenth of a second or more: each delay lands in it
+    tensors = [torch.full((1,), float(i)) for i in range(n)]
+    ns = {"big": tensors}
+    result = move(ns, ["big"], META, restorable=True)
+    timers: list[threading.Timer] = []
+    sigint_on(monkeypatch, moving, "_put_back_originals", delay, timers)
+    back = None
+    try:
+        back = restore(ns, result)
+        settle(timers)
+    except KeyboardInterrupt:  # only once the restore is done
+        settle(timers)
+    assert ns["big"] is tensors and all(t.device == CPU for t in tensors)
+    assert torch.equal(torch.cat(tensors), torch.arange(float(n)))
+    if back is not None and back.interrupted:
+        assert back.said == [RESTORE_INTERRUPTED]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.fixture
+def user_handler():
+    """A notebook's own "stop after this epoch" SIGINT handler: it notes each signal."""
+    stops: list[int] = []
+
+    def stop_after_this_epoch(signum, frame):
+        stops.append(signum)
+
+    signal.signal(signal.SIGINT, stop_after_this_epoch)
+    try:
+        yield stop_after_this_epoch, stops
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.mark.parametrize("restorable", [False, True])
+def test_a_users_sigint_handler_gets_a_signal_sent_in_the_commit(
+    monkeypatch, user_handler, restorable
+):
+    handler, stops = user_handler
+    tensors = [torch.full((1,), float(i)) for i in range(1000)]
+    ns = {"big": tensors}
+    swap_all = moving._swap_all
+
+    def swapping(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # lands in the commit
+        return swap_all(*args, **kwargs)
+
+    monkeypatch.setattr(moving, "_swap_all", swapping)
+    try:
+        result = move(ns, ["big"], META, restorable=restorable)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cancelled the move instead of reaching the user's handler")
+    assert stops == [signal.SIGINT] and not result.interrupted
+    assert all(t.device == META for t in tensors)  # the move was done
+    assert signal.getsignal(signal.SIGINT) is handler
+    if restorable:
+        back = restore(ns, result)  # a second signal, in the restore's swaps
+        assert stops == [signal.SIGINT] * 2 and not back.interrupted
+        assert back.said == [RESTORE_INTERRUPTED]
+        assert torch.equal(torch.cat(tensors), torch.arange(1000.0))
+        assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_restore_from_meta_gives_back_what_a_name_rebound_to_meta_held():
+    images, model, keep = torch.arange(24.0).reshape(2, 3, 4), torch.nn.Linear(4, 2), torch.ones(2)
+    weight = model.weight.detach().clone()
+    ns = {"images": images, "model": model, "keep": keep, "view": images[0]}
+    result = moved_all(ns, META, restorable=True)
+    ns["images"] = ns["images"].flatten(1)  # the shape check's own result: data-less
+    ns["model"] = [torch.nn.Linear(4, 2, device=META)]  # a container of meta ones
+    ns["keep"] = torch.zeros(3)  # holds data: the cell's result stays
+    del ns["view"]
+    back = restore(ns, result)
+    assert ns["images"] is images and torch.equal(images, torch.arange(24.0).reshape(2, 3, 4))
+    assert ns["model"] is model and torch.equal(model.weight, weight)
+    assert torch.equal(ns["keep"], torch.zeros(3)) and "view" not in ns
+    assert back.said == [
+        "--restore from meta gave back what the names images, model held: "
+        "the cell bound them to meta tensors, which hold no data"
+    ]
 
 
 # --- restore ------------------------------------------------------------------------------
@@ -831,7 +916,7 @@ def test_restore_leaves_what_the_cell_made_on_the_device():
     ns["new"] = torch.zeros(1, device=META)
     restore(ns, result)
     assert x.device == CPU and torch.equal(x, torch.ones(2))
-    assert ns["x"].device == META and ns["new"].device == META
+    assert ns["new"].device == META
 
 
 def test_restore_puts_back_a_tensor_that_was_replaced(monkeypatch):

@@ -318,3 +318,68 @@ def test_a_move_out_of_meta_is_refused_in_one_line_before_any_copy(ip, ns, monke
         "nothing was moved."
     )
     assert "ran" not in ns and state(ip) == before
+
+
+def test_restore_from_meta_gives_back_a_name_the_cell_rebound(ip, capsys):
+    images = torch.arange(24.0).reshape(2, 3, 4)
+    ip.user_ns["images"] = images
+    ip.run_cell_magic("ondevice", "meta --restore", "images = images.flatten(1)\nimages.shape")
+    assert ip.user_ns["images"] is images  # the meta result held nothing
+    assert torch.equal(images, torch.arange(24.0).reshape(2, 3, 4))
+    assert capsys.readouterr().out == (
+        "--restore from meta gave back what the name images held: "
+        "the cell bound it to meta tensors, which hold no data\n"
+    )
+
+
+def test_a_ctrl_c_in_the_restore_from_meta_loses_nothing(ip, monkeypatch, capsys):
+    import os
+    import signal
+
+    from torch_device_magic import moving
+
+    x = torch.arange(4.0)
+    ip.user_ns["x"] = x
+    put_back = moving._put_back_originals
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        return put_back(*args)
+
+    monkeypatch.setattr(moving, "_put_back_originals", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
+    assert ip.user_ns["ran"].device == META  # the cell ran
+    assert ip.user_ns["x"] is x and torch.equal(x, torch.arange(4.0))  # back, with its data
+    assert "Ctrl-C during --restore: it finished first" in capsys.readouterr().out
+
+
+def test_a_users_sigint_handler_sees_a_ctrl_c_in_the_move_and_the_cell_goes_on(ip, monkeypatch):
+    import os
+    import signal
+
+    from torch_device_magic import moving
+
+    ip.run_cell(
+        "import signal\nstop = []\n"
+        "def stop_after_this_epoch(signum, frame):\n    stop.append(signum)\n"
+        "signal.signal(signal.SIGINT, stop_after_this_epoch)\nx = torch.arange(4.0)"
+    )
+    handler, x = ip.user_ns["stop_after_this_epoch"], ip.user_ns["x"]
+    swap_all = moving._swap_all
+
+    def swapping(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # lands in the commit, then in the restore
+        return swap_all(*args, **kwargs)
+
+    monkeypatch.setattr(moving, "_swap_all", swapping)
+    try:
+        ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
+        assert signal.getsignal(signal.SIGINT) is handler
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cancelled the move instead of reaching the user's handler")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert ip.user_ns["stop"] == [signal.SIGINT] * 2  # one Ctrl-C in the move, one in the restore
+    assert ip.user_ns["ran"].device == META and x.device.type == "cpu"
+    assert torch.equal(x, torch.arange(4.0))

@@ -9,12 +9,16 @@ fixture, which skips them, saying why, where the device cannot be built.
 from __future__ import annotations
 
 import gc
+import os
+import re
+import signal
 
 import pytest
 import torch
+from faults import settle, sigint_on
 from IPython.core.error import UsageError
 
-from torch_device_magic import measure
+from torch_device_magic import measure, moving
 from torch_device_magic.errors import DeviceMagicError
 from torch_device_magic.measure import Meter
 from torch_device_magic.moving import move, restore
@@ -162,6 +166,99 @@ def test_device_to_device_and_restore(tdmdev):
     restore(ns, moved)
     assert on(x) == {D0}
     assert torch.equal(x.cpu(), torch.arange(8.0) * 2)  # what was done on tdmdev:1 came back
+
+
+SPLIT = """\
+import torch
+class Split(torch.nn.Module):  # an embedding kept on the CPU, the rest on a device
+    def __init__(self, body):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(body)
+    def forward(self, i):
+        return self.body(self.emb(i).to(self.body[0].weight.device))
+model = Split("{body}")
+opt = torch.optim.Adam(model.parameters())
+"""
+
+
+def devices(model: torch.nn.Module) -> dict[str, str]:
+    return {name: str(t.device) for name, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("body", [D0, D1])  # D1: already where the cell runs
+def test_restore_sends_a_split_model_back_split(tdmdev, ip, capsys, body):
+    ip.run_cell(SPLIT.format(body=body))
+    model = ip.user_ns["model"]
+    ip.run_cell_magic(
+        "ondevice", f"{D1} --restore -v",
+        "model(torch.tensor([1, 2])).sum().backward()\nopt.step()\n"
+        "model.body[0].lora = torch.nn.Parameter(torch.ones(2))\n"  # added to a part on `body`
+        "model.body.add_module('extra', torch.nn.Linear(2, 2))",
+    )
+    homes = devices(model)
+    assert homes.pop("emb.weight") == "cpu"
+    assert set(homes.values()) == {body}  # lora and extra too: the part they joined
+    state = ip.user_ns["opt"].state
+    assert on(*state[model.emb.weight].values()) == {"cpu"}
+    assert on(model.emb.weight.grad) == {"cpu"} and on(model.body[1].bias.grad) == {body}
+    titles = re.findall(r"^moved .+? to (.+) in \S+ \S+$", capsys.readouterr().out, re.M)
+    assert titles == [D1, "cpu, tdmdev:0" if body == D0 else "cpu"]  # the move's, the restore's
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.02])
+def test_a_real_sigint_in_a_restore_from_the_device_finishes_it(tdmdev, monkeypatch, delay):
+    tensors = [torch.full((1,), float(i)) for i in range(20_000)]
+    ns = {"big": tensors}
+    moved = move(ns, ["big"], torch.device(D0), restorable=True)
+    timers: list = []
+    sigint_on(monkeypatch, moving, "_copy_all", delay, timers)
+    back = None
+    try:
+        back = restore(ns, moved)
+        settle(timers)
+    except KeyboardInterrupt:  # only once the restore is done
+        settle(timers)
+    assert ns["big"] is tensors and on(*tensors) == {"cpu"}
+    assert torch.equal(torch.cat(tensors), torch.arange(20_000.0))
+    if back is not None and back.interrupted:
+        assert back.said == ["Ctrl-C during --restore: it finished first, everything went back"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_users_sigint_handler_gets_a_signal_sent_in_a_restore(tdmdev, monkeypatch):
+    stops: list[int] = []
+
+    def stop_after_this_epoch(signum, frame):
+        stops.append(signum)
+
+    x = torch.arange(1000.0)
+    ns = {"x": x}
+    moved = move(ns, ["x"], torch.device(D0), restorable=True)
+    swap_all = moving._swap_all
+
+    def swapping(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # lands in the restore's commit
+        return swap_all(*args, **kwargs)
+
+    monkeypatch.setattr(moving, "_swap_all", swapping)
+    signal.signal(signal.SIGINT, stop_after_this_epoch)
+    try:
+        back = restore(ns, moved)
+        assert signal.getsignal(signal.SIGINT) is stop_after_this_epoch
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cancelled the restore instead of reaching the user's handler")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert stops == [signal.SIGINT] and not back.interrupted
+    assert on(x) == {"cpu"} and torch.equal(x, torch.arange(1000.0))
+
+
+def test_restore_from_the_device_keeps_what_the_cell_rebound(tdmdev, ip, capsys):
+    ip.run_cell("images = torch.ones(2, 3, 4)")
+    ip.run_cell_magic("ondevice", f"{D0} --restore", "images = images.flatten(1)")
+    assert ip.user_ns["images"].shape == (2, 12) and on(ip.user_ns["images"]) == {D0}
+    assert "--restore" not in capsys.readouterr().out
 
 
 def test_out_of_memory_during_a_move_changes_nothing(tdmdev):

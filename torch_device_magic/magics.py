@@ -338,11 +338,20 @@ class TorchDeviceMagics(Magics):
           unless the group is capturable or fused, as torch keeps it.
         - --all moves every name of yours (not `_`-prefixed or IPython's own).
         - --restore sends back what the names held, with what the cell did to
-          it; optimizer state and parameters the cell added to a moved model
-          go back with it; anything else the cell made stays on DEV. From
-          meta the very same objects come back with their data, grad_fn,
-          hooks and .grad, optimizer state and steps included, whatever the
-          cell kept (a loss, Out, a traceback, a view).
+          it, each tensor where it was (a model split across devices comes
+          back split); optimizer state and parameters the cell added to a
+          moved model go back with it, to the part they joined; anything else
+          the cell made, and a name it rebound, stays on DEV. From meta the
+          very same objects come back with their data, grad_fn, hooks and
+          .grad, optimizer state and steps included, whatever the cell kept
+          (a loss, Out, a traceback, a view), and a name the cell bound to
+          meta tensors gets its data back: "--restore from meta gave back
+          what the name x held: the cell bound it to meta tensors, which hold
+          no data".
+        - Ctrl-C waits while the commit or the restore runs: "Ctrl-C during
+          --restore: it finished first, everything went back". A SIGINT
+          handler of your own gets such a Ctrl-C once they are done, and
+          nothing is cancelled.
         - A move of a GiB or more shows a progress bar (text unless ipywidgets
           is installed) that goes away when done.
         """
@@ -383,6 +392,10 @@ class TorchDeviceMagics(Magics):
                 else:
                     if args.verbose:
                         display(back.table())
+                    for line in back.said:
+                        print(line)
+                    if back.interrupted:  # held back until it was done and shown
+                        raise KeyboardInterrupt
 
     @magic_arguments()
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")

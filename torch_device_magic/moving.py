@@ -36,12 +36,15 @@ Three phases, so that a failure changes nothing:
    history arrives without it.
    The commit is all or nothing too: an error in it undoes what it did, and
    SIGINT (Ctrl-C, a notebook's stop button) waits until it ends, then cancels
-   the move.
+   the move; a handler of the user's own gets it then instead, cancelling nothing.
 
 `restore` from `meta` needs no data: after the swap, each copy holds the
 original C++ tensor, which is swapped back into the very object it came from,
 with its data, `grad_fn`, hooks and `.grad`. Whatever the cell left holding the
-meta ones (a kept graph, `Out`, a traceback, a view) keeps those.
+meta ones (a kept graph, `Out`, a traceback, a view) keeps those, but a name the
+cell bound to meta tensors gets its original back. A restore holds SIGINT from
+start to end: it is never left half done. Each tensor goes back where it was;
+what the cell added to a module, where the submodule it joined came from.
 
 Optimizer state follows its parameters by torch's own rule: `step` stays where
 it is unless the group is `capturable` or `fused`. Nothing here touches
@@ -128,9 +131,12 @@ class MoveResult:
     _undo: _Undo | None = field(default=None, repr=False)
     skipped: list[str] = field(default_factory=list)
     restored: int | None = None  # a restore from meta: how many originals were put back
-    # A Ctrl-C that came once a restorable move was done: held back so that the caller has
-    # this result (and can restore) before it raises KeyboardInterrupt itself.
+    # A Ctrl-C that came once a restorable move was done, or during a restore: held back so
+    # that the caller has this result (and can restore, or show it) before it raises
+    # KeyboardInterrupt itself. Only under Python's own handler: a user's gets the signal.
     interrupted: bool = False
+    said: list[str] = field(default_factory=list)  # a restore: lines to show even without -v
+    to: str = ""  # a restore to several devices: all of them ("cpu, cuda:0")
     # Bytes a name holds that are counted under another (a model's parameters, which its
     # optimizer holds too): one line each.
     counted_under: list[str] = field(default_factory=list)
@@ -144,7 +150,7 @@ class MoveResult:
             title = f"restored {plural(self.restored, 'tensor')} from meta (the originals put back)"
         elif self.names:
             took = fmt_seconds(self.seconds)
-            title = f"moved {fmt_bytes(self.nbytes)} to {self.device} in {took}"
+            title = f"moved {fmt_bytes(self.nbytes)} to {self.to or self.device} in {took}"
         else:
             title = f"nothing to move to {self.device}"
         rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
@@ -166,6 +172,7 @@ class _Undo:
     rebound: dict[int, Tensor] = field(default_factory=dict)
     optimizer_state: list[tuple[torch.optim.Optimizer, dict]] = field(default_factory=list)
     values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    bindings: dict[str, object] = field(default_factory=dict)  # from meta: what each name held
 
 
 def move(
@@ -188,6 +195,7 @@ def move(
         if device.type == "meta":  # nothing comes back from meta: keep the originals
             undo.originals = []
             undo.optimizer_state, undo.values = plan.optimizer_snapshots()
+            undo.bindings = {name: ns[name] for name in names}
     return _execute(plan, ns, device, undo)
 
 
@@ -195,17 +203,26 @@ def restore(ns: dict, moved: MoveResult) -> MoveResult:
     """Send back what `move(..., restorable=True)` moved, carrying what was done to it since.
 
     Once only: `moved` then lets go of what it kept for this (from meta, the originals),
-    which a traceback holding it would otherwise keep alive.
+    which a traceback holding it would otherwise keep alive. SIGINT waits until it is done:
+    a Ctrl-C neither cancels it nor leaves it half done.
     """
-    undo, moved._undo = moved._undo, None
-    if undo is None:
-        raise ValueError("restore() needs the result of move(..., restorable=True), once")
-    start = time.perf_counter()
-    if undo.originals is not None:
-        return _put_back_originals(ns, moved, undo, start)
-    plan = _Plan.back(undo)
-    plan.walk(ns, [n for n in undo.names if n in ns])
-    return _execute(plan, ns, None, None)
+    with _sigint_held() as interrupted:
+        undo, moved._undo = moved._undo, None
+        if undo is None:
+            raise ValueError("restore() needs the result of move(..., restorable=True), once")
+        start = time.perf_counter()
+        if undo.originals is not None:
+            result = _put_back_originals(ns, moved, undo, start)
+        else:
+            plan = _Plan.back(undo)
+            plan.walk(ns, [n for n in undo.names if n in ns])
+            result = _execute(plan, ns, None, None, held=True)
+        if interrupted:
+            result.said.append("Ctrl-C during --restore: it finished first, everything went back")
+            if interrupted.raises:  # the caller raises KeyboardInterrupt, with this result
+                result.interrupted = True
+                interrupted.clear()
+    return result
 
 
 class _Where(NamedTuple):
@@ -471,15 +488,29 @@ class _Plan:
         return found
 
     def _module(self, module: torch.nn.Module, where: _Where, inherited) -> list[_Frame]:
-        if self.module_targets is not None:
-            inherited = self.module_targets.get(id(module), inherited)
-        for prefix, sub in module.named_modules():
+        """Plan a module's tensors. Moving, note each submodule's home: where its first tensor
+        is (one without any of its own: its first child's), so that restoring, what the cell
+        added to a model split across devices goes where the part it joined came from."""
+        targets, own = self.module_targets, set()
+        subs = dict(module.named_modules())
+        inherits: dict[str, torch.device | None] = {}  # restoring: by prefix
+        for prefix, sub in subs.items():
             label = _Where(where, prefix, True) if prefix else where
+            target = inherited
+            if targets is not None:
+                above = inherits.get(prefix.rpartition(".")[0], inherited) if prefix else inherited
+                target = inherits[prefix] = targets.get(id(sub), above)
             for kind in (sub._parameters, sub._buffers):
                 found = [(k, t) for k, t in kind.items() if t is not None and not is_lazy(t)]
                 if found:
-                    self.module_home.setdefault(id(module), found[0][1].device)
-                    self._entries(iter(found), label, True, inherited)
+                    if targets is None and id(sub) not in own:
+                        own.add(id(sub))
+                        self.module_home[id(sub)] = found[0][1].device
+                    self._entries(iter(found), label, True, target)
+        for prefix, sub in reversed(subs.items()) if targets is None else ():
+            home, parent = self.module_home.get(id(sub)), subs[prefix.rpartition(".")[0]]
+            if prefix and home is not None and id(parent) not in own:
+                self.module_home[id(parent)] = home  # the first child's wins: it comes last
         return []
 
     def _optimizer(self, opt: torch.optim.Optimizer, where: _Where, inherited) -> list[_Frame]:
@@ -604,13 +635,16 @@ def _walkable(cls: type) -> bool:
     return issubclass(cls, (torch.nn.Module, torch.optim.Optimizer)) or is_container(cls)
 
 
-def _execute(plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None) -> MoveResult:
+def _execute(
+    plan: _Plan, ns: dict, device: torch.device | None, undo: _Undo | None, held: bool = False
+) -> MoveResult:
+    """Copy, then commit; `held`: the caller holds SIGINT (a restore), so nothing cancels it."""
     # In inference mode (`%%nograd --inference`) copies would be inference tensors, which
     # autograd and optimizers refuse for good: the move makes the kind it finds.
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
-            return _execute_as_found(plan, ns, device, undo, _inference(plan.tensors))
-    return _execute_as_found(plan, ns, device, undo, ())
+            return _execute_as_found(plan, ns, device, undo, held, _inference(plan.tensors))
+    return _execute_as_found(plan, ns, device, undo, held, ())
 
 
 def _inference(tensors: list[Tensor]) -> set[int]:
@@ -624,6 +658,7 @@ def _execute_as_found(
     ns: dict,
     device: torch.device | None,
     undo: _Undo | None,
+    held: bool,
     inference: Collection[int],
 ) -> MoveResult:
     start = time.perf_counter()
@@ -642,7 +677,8 @@ def _execute_as_found(
     history = [
         f"{_label(plan.where(i))}: moved without its autograd history" for i in plan.with_history
     ]
-    with _sigint_held() as interrupted:  # from the commit until the result is made
+    hold = _sigint_held() if not held else contextlib.nullcontext(_Caught())
+    with hold as interrupted:  # from the commit until the result is made
         notes, rebound = _commit(ns, plan, news, undo, interrupted)
         if home is not None:
             for old, new in rebound.items():
@@ -660,9 +696,10 @@ def _execute_as_found(
             history + notes,
             undo,
             plan.skipped,
+            to=", ".join(sorted(set(map(str, plan.targets)))) if device is None else "",
             counted_under=plan.counted_notes(),
         )
-        if interrupted and undo is not None:  # done, and only this result can undo it
+        if interrupted.raises and interrupted and undo is not None:  # only it can undo this
             result.interrupted = True
             interrupted.clear()
     return result
@@ -860,11 +897,12 @@ def _reason(t: Tensor, exc: Exception) -> str:
 
 
 def _commit(
-    ns: dict, plan: _Plan, news: list[Tensor], undo: _Undo | None, interrupted: list
+    ns: dict, plan: _Plan, news: list[Tensor], undo: _Undo | None, interrupted: _Caught
 ) -> tuple[list[str], dict[int, Tensor]]:
     """Phase 3, all or nothing: give every tensor its copy in place; rebind what torch will
-    not change. An error undoes what was done and says so in one line; so does SIGINT,
-    which waits for the commit to end, then goes on."""
+    not change. An error undoes what was done and says so in one line; so does SIGINT under
+    Python's own handler, which waits for the commit to end, then goes on (a user's own
+    handler gets it once the commit is done)."""
     undo_log: list[Callable[[], object]] = []  # what undoes each change made, run last first
     keep_originals = undo is not None and undo.originals is not None
     failure = None
@@ -879,7 +917,7 @@ def _commit(
             f"Could not move to {_first_target(plan)}: {type(exc).__name__}: "
             f"{first_sentence(exc)}; nothing was moved."
         )
-    rolled_back = failure is None and bool(interrupted)
+    rolled_back = failure is None and interrupted.raises and bool(interrupted)
     if failure is not None or rolled_back:
         for step in reversed(undo_log):
             step()
@@ -1246,18 +1284,21 @@ def _put_back_originals(ns: dict, moved: MoveResult, undo: _Undo, start: float) 
     assert pairs is not None, "a restore from meta keeps the originals"
     olds, keepers = [t for t, _ in pairs], [k for _, k in pairs]
     pairs.clear()
-    with _sigint_held():
-        refused = _swap_all(olds, keepers)  # the keepers now hold the meta ones
-        replaced = {id(olds[i]): _like(olds[i], keepers[i]) for i in refused}
-        replaced.update(undo.rebound)
-        if replaced:
-            _rebind(ns, undo.names, replaced, [])
-        for opt, state in undo.optimizer_state:
-            opt.state.clear()
-            opt.state.update({p: dict(s) for p, s in state.items()})
-        with torch.no_grad():
-            for t, value in undo.values:
-                t.copy_(value)
+    refused = _swap_all(olds, keepers)  # the keepers now hold the meta ones
+    replaced = {id(olds[i]): _like(olds[i], keepers[i]) for i in refused}
+    replaced.update(undo.rebound)
+    if replaced:
+        _rebind(ns, undo.names, replaced, [])
+    for opt, state in undo.optimizer_state:
+        opt.state.clear()
+        opt.state.update({p: dict(s) for p, s in state.items()})
+    with torch.no_grad():
+        for t, value in undo.values:
+            t.copy_(value)
+    # A name the cell bound to meta tensors (`x = x.flatten(1)`) holds no data: its own comes back.
+    given = [n for n, obj in undo.bindings.items() if ns.get(n, obj) is not obj and _on_meta(ns[n])]
+    for name in given:
+        ns[name] = undo.bindings[name]
     notes = [
         f"a tensor of {fmt_bytes(stored_bytes(olds[i]))} came back as a new object: "
         "torch refused to swap it"
@@ -1271,28 +1312,53 @@ def _put_back_originals(ns: dict, moved: MoveResult, undo: _Undo, start: float) 
         time.perf_counter() - start,
         notes,
         restored=count,
+        said=[_given_back(given)] if given else [],
     )
 
 
-@contextlib.contextmanager
-def _sigint_held() -> Iterator[list]:
-    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver it.
+def _given_back(names: list[str]) -> str:
+    which = f"the name {names[0]}" if len(names) == 1 else f"the names {', '.join(names)}"
+    return (f"--restore from meta gave back what {which} held: the cell bound "
+            f"{'it' if len(names) == 1 else 'them'} to meta tensors, which hold no data")
 
-    The block sees the signals caught so far in the list it gets. Only in the main thread
-    (where Python handles signals) and where a Python handler is in force."""
-    caught: list = []
+
+def _on_meta(obj: object) -> bool:
+    """Whether `obj` is or holds (as a move would find it) a tensor on meta."""
+    plan = _Plan.to(torch.device("cpu"))  # plans every tensor not on the CPU
+    plan.walk({"": obj}, [""])
+    return any(map(_IS_META, plan.tensors))
+
+
+class _Caught(list):
+    """The frames of the SIGINTs caught while held; `raises`: whether the handler they go to
+    is Python's own, which raises KeyboardInterrupt (a user's "stop after this epoch" one
+    does not: what it is sent must not cancel anything)."""
+
+    raises = True
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[_Caught]:
+    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver each
+    signal the block left to the handler in force before (Python's raises at the first; a
+    user's own sees every press, as it would have).
+
+    Only in the main thread (where Python handles signals) and where a Python handler is in
+    force."""
+    caught = _Caught()
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT) if main else None
     if not callable(previous):  # ignored, the OS default, or set outside Python
         yield caught
         return
+    caught.raises = previous is signal.default_int_handler
     signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
     try:
         yield caught
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
-        previous(signal.SIGINT, caught[0])  # the default one raises KeyboardInterrupt
+    for frame in caught:
+        previous(signal.SIGINT, frame)
 
 
 def _label(where: _Where | None) -> str:

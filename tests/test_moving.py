@@ -1,4 +1,4 @@
-"""moving.py on the `cpu` and `meta` devices: every guarantee, fault injection, restore."""
+"""`moving/` on the `cpu` and `meta` devices: every guarantee, fault injection, restore."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def test_grads_that_form_a_cycle_are_walked_once():
 def test_the_storage_key_is_the_storage():
     base = torch.arange(4.0)
     tensors = [base, base[1:], base[1:].data, torch.zeros(4, device=META), torch.zeros(0)]
-    assert [moving.storage_id(t) for t in tensors] == [storage(t) for t in tensors]
+    assert [moving.plan.storage_id(t) for t in tensors] == [storage(t) for t in tensors]
 
 
 def test_views_keep_sharing_storage_with_their_base(target):
@@ -307,11 +307,11 @@ def test_where_data_can_be_set_a_graph_made_before_sees_the_move():
     loss = (w * 2).sum()
     copy = w.detach().clone().requires_grad_()
     copy.grad = grad
-    moving._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
-    plan = moving._Plan.to(CPU)
+    moving.commit._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
+    plan = moving.plan._Plan.to(CPU)
     plan.tensors, plan.keys, plan.grads = [w], ["w"], {id(w): (w, grad)}
-    plan.runs = [moving._Run(0, 1, None, False, None)]
-    notes = moving._held_elsewhere(plan, [copy], [0])
+    plan.runs = [moving.plan._Run(0, 1, None, False, None)]
+    notes = moving.commit._held_elsewhere(plan, [copy], [0])
     assert notes == [
         "w: moved with .data because an autograd graph or a view holds it; "
         "views of its old storage and autograd graphs that saved it stay behind"
@@ -439,7 +439,7 @@ def test_other_objects_are_left_untouched():
 
 
 def test_a_walk_stops_after_its_limit_and_says_what_it_did_not_walk(monkeypatch):
-    monkeypatch.setattr(moving, "WALK_LIMIT", 1000)
+    monkeypatch.setattr(moving.plan, "WALK_LIMIT", 1000)
     first, last = torch.zeros(1), torch.zeros(1)
     samples = [(first, "a"), *[(i, "label") for i in range(5000)], (last, "z")]
     result = move({"samples": samples, "x": torch.zeros(2)}, ["samples", "x"], META)
@@ -500,14 +500,14 @@ def test_names_missing_from_the_namespace_are_ignored():
 
 def refuse_swaps(monkeypatch, *refused: torch.Tensor) -> None:
     """Make torch refuse to swap `refused` (as a C++ weak reference, or torch < 2.3, would)."""
-    swap = moving._swap_impl
+    swap = moving.commit._swap_impl
 
     def refusing(a, b):
         if any(a is t or b is t for t in refused):
             raise RuntimeError("Expected no weakrefs to t1's Tensor object")
         swap(a, b)
 
-    monkeypatch.setattr(moving, "_swap_impl", refusing)
+    monkeypatch.setattr(moving.commit, "_swap_impl", refusing)
 
 
 def test_a_weakly_referenced_tensor_keeps_its_identity(target):
@@ -658,7 +658,7 @@ def test_the_error_names_the_object_and_its_size():
 @pytest.mark.parametrize("bar", [False, True])  # with a bar, copies are made one at a time
 def test_the_error_names_the_tensor_whose_copy_failed(monkeypatch, bar):
     if bar:
-        monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1)
+        monkeypatch.setattr(moving.copy, "_BAR_MIN_BYTES", 1)
     ns = {"d": {f"t{i}": torch.zeros(4) for i in range(4)}}
     failing = pytest.raises(DeviceMagicError, match=r"move d\['t2'\] \(16 B\)")
     with failing, FailOnAllocation(META, 3):
@@ -755,7 +755,7 @@ def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
     tensors = [torch.full((1,), float(i)) for i in range(BIG)]
     ns = {"big": tensors}
     if when == "commit":  # a signal sent once the commit started: it lands in it or after
-        swap_all = moving._swap_all
+        swap_all = moving.commit._swap_all
 
         def swapping(*args, **kwargs):
             if not armed:
@@ -764,7 +764,8 @@ def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
             return swap_all(*args, **kwargs)
 
         armed: list[threading.Timer] = []
-        monkeypatch.setattr(moving, "_swap_all", swapping)
+        for module in (moving.commit, moving.restoring):  # where it is called
+            monkeypatch.setattr(module, "_swap_all", swapping)
     result = interrupted_move(ns, restorable, delay, when)
     if when == "commit":
         armed[0].join()
@@ -783,13 +784,14 @@ def test_a_sigint_during_a_restore_waits_until_it_ends(monkeypatch):
     tensors = [torch.full((1,), float(i)) for i in range(1000)]
     ns = {"big": tensors}
     result = move(ns, ["big"], META, restorable=True)
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # at once, before the swaps back
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     back = restore(ns, result)  # the caller raises KeyboardInterrupt, once it has this
     assert back.interrupted and back.said == [RESTORE_INTERRUPTED]
     assert all(t.device == CPU for t in tensors)
@@ -803,7 +805,7 @@ def test_a_real_sigint_anywhere_in_a_restore_from_meta_loses_nothing(monkeypatch
     ns = {"big": tensors}
     result = move(ns, ["big"], META, restorable=True)
     timers: list[threading.Timer] = []
-    sigint_on(monkeypatch, moving, "_put_back_originals", delay, timers)
+    sigint_on(monkeypatch, moving.restoring, "_put_back_originals", delay, timers)
     back = None
     try:
         back = restore(ns, result)
@@ -839,13 +841,14 @@ def test_a_users_sigint_handler_gets_a_signal_sent_in_the_commit(
     handler, stops = user_handler
     tensors = [torch.full((1,), float(i)) for i in range(1000)]
     ns = {"big": tensors}
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # lands in the commit
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     try:
         result = move(ns, ["big"], META, restorable=restorable)
     except KeyboardInterrupt:
@@ -1239,7 +1242,7 @@ def test_a_copy_failing_with_a_key_error_says_so_in_a_sentence(monkeypatch):
 def test_a_move_out_of_meta_is_refused_before_any_copy(monkeypatch):
     ns = {"a": torch.ones(3), "z": torch.ones(3, device=META)}
     collected = []
-    monkeypatch.setattr(moving.gc, "collect", lambda *args: collected.append(args))
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(args))
     with FailOnAllocation(CPU, 0) as copies, pytest.raises(DeviceMagicError) as err:
         move(ns, ["a", "z"], torch.device("cpu"))
     assert str(err.value) == (
@@ -1281,7 +1284,7 @@ def test_nothing_to_move_says_so():
 
 
 def test_a_big_move_shows_a_progress_bar_that_goes_away(monkeypatch, capsys):
-    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    monkeypatch.setattr(moving.copy, "_BAR_MIN_BYTES", 1024)
     moved_all({"x": torch.zeros(256)}, META)
     err = capsys.readouterr().err
     assert "moving to meta" in err and err.endswith("\r")  # leave=False clears the line
@@ -1297,7 +1300,7 @@ def test_without_ipywidgets_the_bar_is_text_not_a_widget_that_warns(monkeypatch,
     widget.tqdm = notebook_bar
     monkeypatch.setitem(sys.modules, "tqdm.auto", widget)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # cannot be imported
-    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    monkeypatch.setattr(moving.copy, "_BAR_MIN_BYTES", 1024)
     moved_all({"x": torch.zeros(256)}, META)
     assert "moving to meta" in capsys.readouterr().err
 
@@ -1369,11 +1372,12 @@ def test_every_column_of_a_plan_is_dropped_with_a_tensor_found_again():
     # one added without being declared would keep its entry for each tensor found again.
     t, u = torch.zeros(2), torch.ones(1, requires_grad=True)
     ns = {"a": [t, u, t, t], "b": [u]}
-    for plan in (moving._Plan.to(META), moving._Plan(None, {id(t): META, id(u): META}, {})):
+    planned = moving.plan._Plan
+    for plan in (planned.to(META), planned(None, {id(t): META, id(u): META}, {})):
         plan.walk(ns, ["a", "b"])
         columns = {k: v for k, v in vars(plan).items() if isinstance(v, list) and len(v) == 5}
         assert columns == {}  # 5 found, 2 kept
-        lists = [getattr(plan, k) for k in moving._COLUMNS]
+        lists = [getattr(plan, k) for k in moving.plan._COLUMNS]
         assert [len(c) for c in lists if isinstance(c, list)] == [2] * (2 + (plan.device is None))
         assert plan.requiring_grad == [1] and plan.names == [("a", 0, 2), ("b", 2, 2)]
         assert [plan.where(i) for i in (0, 1)] == [((None, "a", False), 0, False),

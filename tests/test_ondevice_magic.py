@@ -340,13 +340,13 @@ def test_a_ctrl_c_in_the_restore_from_meta_loses_nothing(ip, monkeypatch, capsys
 
     x = torch.arange(4.0)
     ip.user_ns["x"] = x
-    put_back = moving._put_back_originals
+    put_back = moving.restoring._put_back_originals
 
     def interrupted(*args):
         os.kill(os.getpid(), signal.SIGINT)
         return put_back(*args)
 
-    monkeypatch.setattr(moving, "_put_back_originals", interrupted)
+    monkeypatch.setattr(moving.restoring, "_put_back_originals", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
     assert ip.user_ns["ran"].device == META  # the cell ran
@@ -366,13 +366,14 @@ def test_a_users_sigint_handler_sees_a_ctrl_c_in_the_move_and_the_cell_goes_on(i
         "signal.signal(signal.SIGINT, stop_after_this_epoch)\nx = torch.arange(4.0)"
     )
     handler, x = ip.user_ns["stop_after_this_epoch"], ip.user_ns["x"]
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # lands in the commit, then in the restore
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     try:
         ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
         assert signal.getsignal(signal.SIGINT) is handler

@@ -212,7 +212,7 @@ def test_a_real_sigint_in_a_restore_from_the_device_finishes_it(tdmdev, monkeypa
     ns = {"big": tensors}
     moved = move(ns, ["big"], torch.device(D0), restorable=True)
     timers: list = []
-    sigint_on(monkeypatch, moving, "_copy_all", delay, timers)
+    sigint_on(monkeypatch, moving.commit, "_copy_all", delay, timers)
     back = None
     try:
         back = restore(ns, moved)
@@ -235,13 +235,14 @@ def test_a_users_sigint_handler_gets_a_signal_sent_in_a_restore(tdmdev, monkeypa
     x = torch.arange(1000.0)
     ns = {"x": x}
     moved = move(ns, ["x"], torch.device(D0), restorable=True)
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # lands in the restore's commit
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     signal.signal(signal.SIGINT, stop_after_this_epoch)
     try:
         back = restore(ns, moved)

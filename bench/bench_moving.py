@@ -21,7 +21,7 @@
 
 CPU-only cases are timed in process CPU time (the machine may be shared);
 GPU cases in wall time, synchronised. `--against COMMIT` also times case 2 with
-that commit's `moving.py` (loaded from `git show` into a module of its own),
+that commit's mover (`moving.py`, or the `moving/` package, from `git show`),
 alternating with this one's in the same run, so that a change is measured
 before and after under the same load.
 """

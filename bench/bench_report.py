@@ -3,6 +3,8 @@
     python bench/bench_report.py              # all three; a few minutes
     python bench/bench_report.py --quick      # fewer cells, for a smoke run
     python bench/bench_report.py --no-kernel  # without nbclient
+    python bench/bench_report.py --no-kernel --against af6fdaa  # also that commit's report
+    python bench/bench_report.py --no-kernel --against HEAD --against af6fdaa  # both copies
 
 Every part runs the same one-line cell, alternating the modes with the order
 rotating, so that drift and the load of other processes hit all modes alike:
@@ -20,6 +22,15 @@ cell at a time.
   every cell and sends nothing. "message alone" sends a constant line the way
   the report does and measures nothing; "printed line" prints one (autotime's
   kind of message). Together they separate the measuring from the message.
+- `--cpu` times the in-process part in the thread's CPU time, which a busy
+  machine inflates less than the wall clock.
+- `--against COMMIT` adds, in-process, the report as it was at that commit
+  (its package extracted with `git archive` under another name), so that a
+  change's cost is read against the code before it in the same run. Compare
+  two such copies (`--against HEAD --against OLD`): the checkout's own package
+  ("ours") read 0.77x to 1.27x a copy of the very same commit in this part
+  on a busy machine, so only copies compare like with like. The first commit's Meter is also timed
+  alone against ours.
 - Long run: 10,000 cells with the report on: per tenth, the whole cell's cost,
   the part spent in our two callbacks, and what the reporter holds (its bounded
   history). IPython itself keeps every cell's input and printed output, so the
@@ -70,15 +81,15 @@ def quiet():
         yield
 
 
-def alternate(run_block, cells: int, rounds: int, compare) -> dict[str, float]:
+def alternate(run_block, cells: int, rounds: int, compare, modes) -> dict[str, float]:
     """Median over rounds of `compare(mode's block, the bare block of the same round)`."""
-    order = list(MODES)
+    order = list(modes)
     for mode in order * 2:  # warm up every path
         run_block(mode, 20)
-    found: dict[str, list[float]] = {m: [] for m in MODES}
+    found: dict[str, list[float]] = {m: [] for m in modes}
     for n in range(rounds):
         seconds = {mode: run_block(mode, cells) for mode in rotated(order, n)}
-        for mode in MODES:
+        for mode in modes:
             found[mode].append(compare(seconds[mode], seconds["bare"]))
     return {m: statistics.median(v) for m, v in found.items()}
 
@@ -88,24 +99,77 @@ def rotated(order: list[str], n: int) -> list[str]:
     return order[n % len(order) :] + order[: n % len(order)]
 
 
-def in_process(cells: int, rounds: int) -> dict[str, float]:
-    """Seconds added per cell over bare IPython, per mode."""
+def package_at(commit: str) -> str:
+    """This repository's package at `commit`, importable under a name of its own."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    name = f"tdm_at_{commit[:12]}"
+    where = Path(tempfile.mkdtemp(prefix="bench_report_"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "torch_device_magic"],
+        check=True, capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+        tar.extractall(where, filter="data")
+    (where / "torch_device_magic").rename(where / name)
+    # Its reporter must know its own callbacks (hooks.is_ours names the package), or
+    # they would stay registered after its unload and run in every later block.
+    hooks = where / name / "hooks.py"
+    hooks.write_text(hooks.read_text().replace('"torch_device_magic."', f'"{name}."'))
+    sys.path.insert(0, str(where))
+    return name
+
+
+def meter_against(package: str, rounds: int, pairs: int = 500) -> tuple[float, float, float]:
+    """The Meter alone, a start and a stop with nothing between, as every cell pays it:
+    ours and `package`'s, blocks alternating; medians of the thread's CPU µs per pair,
+    and of the paired difference."""
+    import importlib
+
+    from torch_device_magic.measure import Meter
+
+    meters = {"ours": Meter(), "then": importlib.import_module(f"{package}.measure").Meter()}
+    found: dict[str, list[float]] = {"ours": [], "then": []}
+    for n in range(rounds):
+        for name in rotated(list(meters), n):
+            meter = meters[name]
+            start = time.thread_time()
+            for _ in range(pairs):
+                meter.start()
+                meter.stop()
+            found[name].append((time.thread_time() - start) / pairs * 1e6)
+    diff = [a - b for a, b in zip(found["ours"], found["then"])]
+    return (statistics.median(found["ours"]), statistics.median(found["then"]),
+            statistics.median(diff))
+
+
+def in_process(
+    cells: int, rounds: int, against: list[str], clock=time.perf_counter
+) -> dict[str, float]:
+    """Seconds added per cell over bare IPython, per mode (and at each of `against`), on
+    `clock`."""
     ip = shell()
+    modes = dict(MODES)
+    for commit in against:
+        old = package_at(commit)
+        modes[f"ours at {commit}"] = ([f"%load_ext {old}"], [f"%unload_ext {old}"])
 
     def run_block(mode: str, n: int) -> float:
-        before, after = MODES[mode]
+        before, after = modes[mode]
         for line in before:
             ip.run_cell(line)
-        start = time.perf_counter()
+        start = clock()
         for _ in range(n):
             ip.run_cell(CELL, store_history=True)
-        elapsed = (time.perf_counter() - start) / n
+        elapsed = (clock() - start) / n
         for line in after:
             ip.run_cell(line)
         return elapsed
 
     with quiet():
-        return alternate(run_block, cells, rounds, lambda mode, bare: mode - bare)
+        return alternate(run_block, cells, rounds, lambda mode, bare: mode - bare, modes)
 
 
 # On a kernel, two references besides autotime: the report's message alone (a
@@ -251,16 +315,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cells (a smoke run)")
     parser.add_argument("--no-kernel", action="store_true", help="skip the nbclient part")
+    parser.add_argument("--no-long-run", action="store_true", help="skip the 10,000 cells")
+    parser.add_argument(
+        "--against", metavar="COMMIT", action="append", default=[],
+        help="in-process, also this commit's (repeatable)",
+    )
+    parser.add_argument(
+        "--cpu", action="store_true",
+        help="in-process, time the thread's CPU time, not the wall (on a busy machine)",
+    )
     args = parser.parse_args()
 
     cells, rounds = (100, 8) if args.quick else (100, 60)
-    added = in_process(cells, rounds)
+    clock = time.thread_time if args.cpu else time.perf_counter
+    added = in_process(cells, rounds, args.against, clock)
     show(
-        f"in-process: {rounds} rounds of {cells} cells per mode",
+        f"in-process: {rounds} rounds of {cells} cells per mode"
+        + (" (the thread's CPU time)" if args.cpu else ""),
         "µs added per cell",
-        {m: f"{added[m] * 1e6:.1f}" for m in MODES},
+        {m: f"{added[m] * 1e6:.1f}" for m in added},
     )
-    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)\n")
+    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.5)")
+    for commit in args.against:
+        print(f"ours / ours at {commit}: {added['ours'] / added[f'ours at {commit}']:.3f}x")
+    if len(args.against) == 2:
+        first, second = (added[f"ours at {c}"] for c in args.against)
+        print(f"ours at {args.against[0]} / ours at {args.against[1]}: {first / second:.3f}x")
+    if args.against:
+        commit = args.against[-1]
+        ours_us, then_us, diff_us = meter_against(package_at(commit), rounds * 5)
+        print(
+            f"the Meter alone (start + stop, the thread's CPU time): {ours_us:.2f} µs, "
+            f"at {commit} {then_us:.2f} µs; paired difference {diff_us:+.2f} µs"
+        )
+    print()
 
     if not args.no_kernel:
         cells = 100 if args.quick else 1500
@@ -275,6 +363,8 @@ def main() -> None:
             print(f"{mode:<18} {ratio:17.3f}x {client - client0:15.0f} µs {kern - kernel0:6.0f} µs")
         print(kernel_verdict(kernel["ours"][0], kernel["autotime"][0]) + "\n")
 
+    if args.no_long_run:
+        return
     total = 1000 if args.quick else 10_000
     rows = long_run(total)
     print(f"long run: {total} cells with the report on")

@@ -5,7 +5,8 @@
     machine.allocate(1, 2**30)      # cuda:1's allocator grows by 1 GiB
 
 It models several GPUs (NVML lists them in PCI order; `cuda_order` is CUDA's
-numbering), MIG instances, an allocator backend, a busy GPU, a handle NVML
+numbering), MIG instances, NVML's per-process lists (host pids, so a container's
+processes need not match), an allocator backend, a busy GPU, a handle NVML
 refuses, a sticky CUDA error, and, above all, where contexts exist: anything
 that would create a context on a device (an event recorded on its stream, a
 synchronise, set_device, memory_stats before CUDA started) is recorded in
@@ -56,6 +57,8 @@ class Gpu:
     fail: type[NVMLError] | None = None  # NVML refuses this GPU's handle with this error
     uuid: str = field(default_factory=lambda: str(uuidlib.UUID(int=next(_serial))))
     mig: bool = False  # this is a MIG instance
+    # NVML's per-process list: {host pid: bytes used}, None where NVML gives no figure
+    processes: dict[int, int | None] = field(default_factory=dict)
 
     @property
     def nvml_uuid(self) -> str:
@@ -273,6 +276,9 @@ class FakeMachine:
         mod.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle
         mod.nvmlSystemGetCudaDriverVersion = lambda: self.driver_cuda
         mod.nvmlDeviceGetCudaComputeCapability = compute_capability
+        mod.nvmlDeviceGetComputeRunningProcesses = lambda g: [
+            types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in g.processes.items()
+        ]
         return mod
 
     # --- installing it ---------------------------------------------------------------------

@@ -128,3 +128,78 @@ def test_compiled_refuses_a_syntax_error_before_anything_runs(shell, capsys):
     with pytest.raises(DeviceMagicError, match="the cell did not run: it has the syntax error"):
         compiled(shell, "ran = True\nx +")
     assert "SyntaxError" in capsys.readouterr().out and "ran" not in shell.user_ns
+
+
+# --- reach: what the notebook's functions that a cell calls read --------------------------
+
+NOTEBOOK = """\
+import functools
+import torch
+import torch.nn.functional as F
+model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batch = torch.ones(3, 2); scale = 2.0; g = torch.Generator()
+def loss_of(out):
+    return F.relu(out).sum() * scale
+def train_step():
+    opt.zero_grad()
+    return loss_of(model(batch))
+@torch.no_grad()
+def evaluate():
+    return [model(b) for b in [batch]]
+class Trainer:
+    def fit(self):
+        return train_step()
+    @property
+    def steps(self):
+        return counter
+trainer = Trainer()
+later = functools.partial(train_step)
+noise = lambda: torch.rand(2, generator=g)
+def recursive(n):
+    return recursive(n - 1) if n else batch
+counter = 0
+"""
+
+
+@pytest.fixture
+def notebook():
+    ns = {"__name__": "__main__"}
+    exec(NOTEBOOK, ns)
+    return ns
+
+
+@pytest.mark.parametrize(("cell", "names"), [
+    ("loss = train_step()", {"opt", "loss_of", "model", "batch", "F", "scale"}),
+    ("evaluate()", {"model", "batch"}),  # through torch.no_grad's wrapper
+    ("later()", {"opt", "loss_of", "model", "batch", "F", "scale"}),
+    ("noise()", {"torch", "g"}),
+    ("recursive(3)", {"recursive", "batch"}),
+    ("F.relu(batch) + torch.matmul(batch, batch.T)", set()),  # torch is not looked into
+    ("scale * 2", set()),
+])
+def test_reach_follows_the_notebooks_own_functions_transitively(notebook, cell, names):
+    found = cells.reach(notebook, cell_names(cell))
+    assert found.names == names and found.unfollowed == []
+
+
+def test_reach_follows_the_methods_of_the_notebooks_classes(notebook):
+    found = cells.reach(notebook, {"trainer"})
+    assert {"train_step", "opt", "model", "batch", "counter"} <= found.names
+    assert found.followed["Trainer.fit"] == ["train_step"]
+
+
+def test_reach_notes_say_what_was_followed(notebook):
+    notes = cells.reach(notebook, {"train_step"}).notes()
+    assert notes[0] == "followed into train_step: opt, loss_of, model, batch"
+
+
+def test_code_globals_are_the_global_loads_and_stores_of_nested_code_too():
+    ns: dict = {}
+    exec("def outer():\n"
+         "    global stored\n"
+         "    stored = read_here\n"
+         "    def inner():\n"
+         "        return [nested_read for _ in range(2)]\n"
+         "    return inner, (lambda: in_lambda)", ns)
+    assert set(cells.code_globals(ns["outer"].__code__)) == {
+        "stored", "read_here", "nested_read", "range", "in_lambda"}

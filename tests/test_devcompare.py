@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections import namedtuple
 
@@ -265,11 +266,11 @@ def test_the_cpu_runs_under_no_device_mode_even_with_a_session_device(nsip):
     assert torch_default_device() == torch.device("meta")
 
 
-def test_tensors_on_an_accelerator_are_copied_straight_to_the_target(monkeypatch):
-    """Here the CPU plays the accelerator: its tensors must not be deep-copied where they
-    are (a same-GPU copy) but copied once, to the target, keeping what they are."""
+def test_tensors_are_copied_straight_to_the_target(monkeypatch):
+    """Tensors elsewhere than the target are not deep-copied where they are (on a GPU, a
+    same-GPU copy; on the host, a second host copy) but copied once, to the target,
+    keeping what they are."""
 
-    monkeypatch.setattr(devcompare, "_DEEPCOPIED", ("meta",))
     deep_copied = []
     real = torch.UntypedStorage.__deepcopy__
     monkeypatch.setattr(torch.UntypedStorage, "__deepcopy__",
@@ -279,7 +280,7 @@ def test_tensors_on_an_accelerator_are_copied_straight_to_the_target(monkeypatch
     a = torch.arange(6.0).reshape(2, 3)
     w = torch.ones(2, requires_grad=True)
     ns = {"model": model, "a": a, "v": a[1], "w": w, "y": w * 2, "pair": [a, model.weight]}
-    copies = devcompare._copies(ns, list(ns), torch.device("meta"))
+    copies = devcompare._copies(ns, list(ns), torch.device("meta"), set()).copies
     assert deep_copied == []
     m, pair = copies["model"], copies["pair"]
     assert m is not model and m.weight.device.type == "meta"
@@ -322,3 +323,226 @@ def test_after_comparing_on_the_cpu_our_default_device_is_still_ours(ip):
     assert torch_default_device() == torch.device("meta")  # back after the cpu side
     ip.run_cell("%device reset")  # it knows the default as its own and undoes it
     assert torch_default_device() is None and torch.empty(1).device.type == "cpu"
+
+
+# --- the functions a cell calls: copies, never the user's objects ---------------------------
+
+TRAIN_STEP = (
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Linear(3, 2); opt = torch.optim.Adam(model.parameters(), lr=0.1)\n"
+    "batch = torch.randn(4, 3); seen = []\n"
+    "def loss_of(out):\n"
+    "    return torch.nn.functional.relu(out).pow(2).sum()\n"
+    "def train_step():\n"
+    "    opt.zero_grad()\n"
+    "    loss = loss_of(model(batch))\n"
+    "    loss.backward()\n"
+    "    opt.step()\n"
+    "    seen.append(loss.device.type)\n"
+    "    return loss.detach()\n"
+    "train_step(); seen.clear()"  # a real step first: Adam has moments and step counts
+)
+
+
+def training_state(ns):
+    model, opt = ns["model"], ns["opt"]
+    return ([p.detach().clone() for p in model.parameters()],
+            [p.grad.clone() for p in model.parameters()],
+            [{k: v.clone() for k, v in s.items()} for s in opt.state.values()])
+
+
+def assert_same_training_state(ns, before):
+    params, grads, state = training_state(ns)
+    assert all(map(torch.equal, params, before[0])), "the model was trained"
+    assert all(map(torch.equal, grads, before[1])), "the gradients changed"
+    for now, then in zip(state, before[2]):
+        assert now.keys() == then.keys() and all(torch.equal(now[k], then[k]) for k in now)
+
+
+def test_a_notebook_function_trains_copies_never_the_users_model(ip):
+    ip.run_cell(TRAIN_STEP)
+    ns = ip.user_ns
+    before, opt = training_state(ns), ns["opt"]
+    assert [int(s["step"]) for s in opt.state.values()] == [1, 1]
+    result = compare(ip, "cpu meta -n 2 -o", "loss = train_step()\nloss")
+    assert_same_training_state(ns, before)
+    assert [int(s["step"]) for s in opt.state.values()] == [1, 1]
+    assert ns["opt"] is opt and "loss" not in ns
+    assert ns["seen"] == ["cpu"] * 3 + ["meta"] * 3  # the function ran on each device's copies
+    assert result.devices[1].max_abs_diff is None  # computed on meta: no values to compare
+
+
+def test_the_difference_of_a_function_cell_is_computed_on_the_other_device(ip, tdmdev):
+    ip.run_cell(TRAIN_STEP)
+    ns = ip.user_ns
+    before = training_state(ns)
+    result = compare(ip, "cpu tdmdev:0 -n 2 -o", "train_step()")
+    assert ns["seen"] == ["cpu"] * 3 + ["tdmdev"] * 3
+    assert result.devices[1].max_abs_diff == 0.0  # each device trained its own copy alike
+    assert_same_training_state(ns, before)
+    assert all(p.device.type == "cpu" for p in ns["model"].parameters())
+
+
+def test_methods_lambdas_and_decorated_functions_are_followed(ip):
+    ip.run_cell(
+        "from functools import partial\n"
+        "w = torch.zeros(3)\n"
+        "class Trainer:\n"
+        "    def fit(self):\n"
+        "        return bump()\n"
+        "@torch.no_grad()\n"
+        "def bump():\n"
+        "    w.add_(1)\n"
+        "    return (lambda: w.sum())()\n"
+        "trainer = Trainer(); later = partial(bump)"
+    )
+    for cell in ("trainer.fit()", "bump()", "later()", "Trainer().fit()"):
+        compare(ip, "cpu meta -n 2", cell)
+        assert torch.equal(ip.user_ns["w"], torch.zeros(3)), cell
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of the user's own (a `train.py` next to the notebook) holding a model."""
+    (tmp_path / "tdm_user_train.py").write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "def fit():\n"
+        "    with torch.no_grad():\n"
+        "        model.weight.zero_()\n"
+        "    return model.weight.sum()\n"
+        "def pure(x):\n"
+        "    return x * 2\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "tdm_user_train"
+    sys.modules.pop("tdm_user_train", None)
+
+
+REFUSED = "%%devcompare cannot run this cell on copies: "
+NOTHING_RAN = ", which it would change for real; nothing ran (pass them as arguments, or " \
+    "define the function in the notebook)"
+
+
+@pytest.mark.parametrize(("setup", "cell", "why"), [
+    ("from tdm_user_train import fit", "fit()",
+     "tdm_user_train.fit reads model from its module tdm_user_train"),
+    ("import tdm_user_train", "tdm_user_train.fit()",
+     "tdm_user_train is a module of your own that holds model"),
+    ("def make():\n    m = model\n    return lambda: m.weight.sum()\nstep = make()", "step()",
+     "step keeps m in a closure"),
+    ("def step(m=model):\n    return m.weight.sum()", "step()",
+     "step holds m as default arguments"),
+])
+def test_a_function_whose_tensors_cannot_be_copied_is_refused_in_one_line(
+        ip, user_module, setup, cell, why):
+    ip.run_cell(f"from tdm_user_train import model\n{setup}")
+    weight = ip.user_ns["model"].weight.detach().clone()
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(f"%%devcompare cpu meta\nran = {cell}")
+    assert type(err.value) is UsageError
+    assert str(err.value) == REFUSED + why + NOTHING_RAN
+    assert "ran" not in ip.user_ns and torch.equal(ip.user_ns["model"].weight, weight)
+
+
+def test_torch_and_a_modules_pure_functions_are_not_refused(ip, user_module):
+    ip.run_cell("import torch.nn.functional as F\nfrom tdm_user_train import pure\n"
+                "x = torch.randn(3)\ndef mine(t):\n    return F.relu(torch.matmul(t, t)) + pure(t)")
+    result = compare(ip, "cpu meta -n 1 -o", "F.relu(x) + torch.matmul(x, x) + pure(x) + mine(x)")
+    assert [d.device for d in result.devices] == ["cpu", "meta"]
+
+
+# --- generators ---------------------------------------------------------------------------
+
+def test_the_users_own_generators_are_put_back(ip):
+    ip.run_cell(
+        "from torch.utils.data import DataLoader\n"
+        "g = torch.Generator().manual_seed(0); h = torch.Generator().manual_seed(1)\n"
+        "loader = DataLoader(list(range(10)), batch_size=5, shuffle=True, generator=h)\n"
+        "def draw():\n    return torch.rand(2, generator=g, device='cpu')\n"
+        "expected = (torch.rand(3, generator=g), draw(), [b.tolist() for b in loader])\n"
+        "g.manual_seed(0); h.manual_seed(1)"
+    )
+    compare(ip, "cpu meta -n 2",
+            "with torch.device('cpu'):  # the DataLoader refuses a meta default device\n"
+            "    batch = next(iter(loader))\n"
+            "torch.rand(3, generator=g, device='cpu')\n"
+            "draw()")
+    ip.run_cell("after = (torch.rand(3, generator=g), draw(), [b.tolist() for b in loader])")
+    expected, after = ip.user_ns["expected"], ip.user_ns["after"]
+    assert torch.equal(after[0], expected[0]) and torch.equal(after[1], expected[1])
+    assert after[2] == expected[2]
+
+
+# --- memory: what the cell only reads is shared, what it writes is copied ------------------
+
+def test_a_tensor_the_cell_only_reads_is_not_copied_on_its_own_device(ip):
+    ip.run_cell("from torch.utils.data import TensorDataset\n"
+                "ds = TensorDataset(torch.arange(1000.0)); seen = []")
+    address = ip.user_ns["ds"].tensors[0].untyped_storage().data_ptr()
+    compare(ip, "cpu meta -n 2",
+            "seen.append((device.type, ds.tensors[0].untyped_storage().data_ptr()))\n"
+            "ds[3][0] * 2")
+    on_cpu = {ptr for dev, ptr in ip.user_ns["seen"] if dev == "cpu"}
+    assert on_cpu == {address}  # the user's own storage, read in place
+
+
+@pytest.mark.parametrize("write", [
+    "x.add_(1)",
+    "x.data.mul_(0)",
+    "torch.add(x, 1, out=x)",
+    "v = x[2:]; v.zero_()",
+    "if x.device.type == 'cpu':\n    x.numpy()[:] = 7",
+    "y = torch.zeros(3)\ny.set_(x.untyped_storage()); y.fill_(5)",
+    "try:\n    x.add_(1)\nexcept BaseException:\n    pass",
+    "torch.optim.SGD([x.requires_grad_()], lr=1.0).step() if False else x.resize_(1)",
+])
+def test_a_write_into_a_shared_tensor_gets_a_copy_and_the_users_stays(ip, write):
+    ip.run_cell("x = torch.arange(6.0); seen = []")
+    x, values = ip.user_ns["x"], ip.user_ns["x"].clone()
+    compare(ip, "cpu meta -n 2", f"seen.append(device.type)\n{write}")
+    assert ip.user_ns["x"] is x and x.shape == values.shape and torch.equal(x, values)
+    assert ip.user_ns["seen"].count("cpu") >= 3  # the cell did run on the CPU
+
+
+def test_an_optimizer_step_on_shared_parameters_gets_copies(ip):
+    ip.run_cell(TRAIN_STEP)
+    before = training_state(ip.user_ns)
+    compare(ip, "cpu meta -n 2", "opt.zero_grad()\nmodel(batch).sum().backward()\nopt.step()")
+    assert_same_training_state(ip.user_ns, before)
+
+
+def test_warmup_zero_copies_everything(ip):
+    ip.run_cell("x = torch.arange(6.0); seen = []")
+    x, values = ip.user_ns["x"], ip.user_ns["x"].clone()
+    compare(ip, "cpu meta -n 2 --warmup 0", "seen.append(x.data_ptr())\nx.add_(1)")
+    assert x.data_ptr() not in ip.user_ns["seen"] and torch.equal(x, values)
+
+
+def test_copies_that_do_not_fit_are_refused_with_the_sizes(ip, monkeypatch):
+    ip.run_cell("x = torch.ones(1024, 256); ran = []")  # 1 MiB
+    monkeypatch.setattr(devcompare, "free_bytes", lambda dev: 512 * 1024)
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%devcompare cpu meta --warmup 0\nran.append(x.sum())")
+    assert str(err.value) == ("%%devcompare needs 1.0 MiB on the host for its copies of the "
+                              "cell's inputs, and 512.0 KiB is free there: nothing ran")
+    assert ip.user_ns["ran"] == []
+
+
+def test_a_warmup_started_again_starts_from_the_same_random_state(ip):
+    ip.run_cell("x = torch.arange(6.0); seen = []\n"
+                "torch.manual_seed(0); first = torch.rand(1).item(); torch.manual_seed(0)")
+    compare(ip, "cpu meta -n 1", "seen.append(torch.rand(1, device='cpu').item())\nx.add_(1)")
+    seen, first = ip.user_ns["seen"], ip.user_ns["first"]
+    assert seen[0] == seen[1] == first  # the stopped warm-up, then the one on a copy
+    assert torch.equal(ip.user_ns["x"], torch.arange(6.0))
+
+
+def test_a_write_only_later_runs_make_stops_the_comparison_and_says_so(ip):
+    ip.run_cell("x = torch.arange(6.0); seen = []")
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%devcompare cpu meta -n 3\nseen.append(1)\nif len(seen) > 2:\n    x.add_(1)")
+    assert str(err.value) == (
+        "%%devcompare stopped: a timed run on cpu wrote into x, which the guarded warm-up run "
+        "did not; those values have changed (run it with --warmup 0, which copies everything)")
+    assert len(ip.user_ns["seen"]) == 3  # it stopped after the first run that wrote

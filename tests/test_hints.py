@@ -309,3 +309,18 @@ def test_a_bug_in_a_hint_leaves_a_debug_record_with_its_traceback(ip, capsys, ca
     [record] = [r for r in caplog.records if r.exc_info and r.exc_info[0] is ValueError]
     assert record.levelno == logging.DEBUG and record.name == "torch_device_magic.hooks"
     assert "bug in a hint" in caplog.text  # the traceback is in the log
+
+
+def test_mismatch_names_what_the_notebook_functions_read_and_what_cannot_move():
+    import types
+
+    module = types.ModuleType("tdm_user_mod")  # a module of the user's own, with a tensor
+    exec("import torch\nw = torch.ones(2)\ndef scale(x):\n    return x * w", vars(module))
+    ns = {"model": torch.nn.Linear(2, 2, device="meta"), "x": torch.ones(1, 2),
+          "scale": module.scale}
+    exec("def step():\n    return model(x)", ns)
+    err = error_of(lambda: ns["model"](ns["x"]))
+    lines = hint(err, ns, "y = scale(step())", None).splitlines()
+    assert lines[1] == "  The cell uses: model (meta), x (cpu)"
+    assert lines[-1] == ("  %%ondevice cannot move these (.to(device) them yourself): "
+                         "tdm_user_mod.scale reads w from its module tdm_user_mod.")

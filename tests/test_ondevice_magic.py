@@ -384,3 +384,49 @@ def test_a_users_sigint_handler_sees_a_ctrl_c_in_the_move_and_the_cell_goes_on(i
     assert ip.user_ns["stop"] == [signal.SIGINT] * 2  # one Ctrl-C in the move, one in the restore
     assert ip.user_ns["ran"].device == META and x.device.type == "cpu"
     assert torch.equal(x, torch.arange(4.0))
+
+
+TRAIN_STEP = """\
+batch = torch.ones(4, 3)
+def loss_of(out):
+    return out.pow(2).sum()
+def train_step():
+    opt.zero_grad()
+    loss = loss_of(model(batch))
+    loss.backward()
+    opt.step()
+    return loss
+"""
+
+
+def test_a_cell_that_calls_a_notebook_function_moves_what_the_function_reads(ip, ns, capsys):
+    ip.run_cell(TRAIN_STEP)
+    capsys.readouterr()
+    loss = ip.run_cell_magic("ondevice", "meta -v", "train_step()")
+    assert loss.device == META
+    assert all(p.device == META for p in ns["model"].parameters())
+    assert ns["batch"].device == META and ns["bystander"].device.type == "cpu"
+    assert all(t.device == META for s in ns["opt"].state.values()
+               for k, t in s.items() if k != "step")
+    out = capsys.readouterr().out.splitlines()
+    assert "followed into train_step: opt, loss_of, model, batch" in out
+
+
+def test_verbose_names_what_a_function_of_the_users_own_module_keeps(ip, ns, tmp_path,
+                                                                   monkeypatch, capsys):
+    (tmp_path / "tdm_user_steps.py").write_text(
+        "import torch\nweights = torch.ones(3)\ndef scale(x):\n    return x * weights\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        ip.run_cell("from tdm_user_steps import scale")
+        capsys.readouterr()
+        ip.run_cell("%%ondevice meta -v\ny = x[:3]")  # a cell that does not call it: no note
+        assert not any("could not follow: tdm" in s for s in capsys.readouterr().out.splitlines())
+        with pytest.raises(RuntimeError):
+            ip.run_cell("%%ondevice meta -v\nscale(x[:3])")
+        out = capsys.readouterr().out.splitlines()
+        assert ("could not follow: tdm_user_steps.scale reads weights from its module "
+                "tdm_user_steps") in out
+    finally:
+        import sys
+        sys.modules.pop("tdm_user_steps", None)

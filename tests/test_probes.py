@@ -116,6 +116,23 @@ def test_nvml_reads_a_mig_instance_by_its_mig_uuid(monkeypatch):
     assert probes.nvml_used_bytes(Accelerator("cuda", 0)) == 5 * GIB
 
 
+def test_nvml_lists_gpu_memory_per_process_over_every_gpu_and_mig_instance(monkeypatch):
+    """No CUDA context is needed; a process on two GPUs sums; NVML's "not available"
+    (None) is left out rather than read as 0."""
+    parent = Gpu(migs=[mig(), mig()])
+    parent.migs[1].processes = {7: 2 * GIB}
+    plain = Gpu(processes={7: 1 * GIB, 8: None, 9: 3 * GIB})
+    machine = FakeMachine([plain, parent]).install(monkeypatch)
+    assert probes.nvml_process_bytes() == ({7: 3 * GIB, 9: 3 * GIB}, "")
+    assert not machine.initialized
+
+
+def test_nvml_per_process_list_says_why_without_a_driver(monkeypatch):
+    FakeMachine([Gpu(processes={7: GIB})], nvml=False).install(monkeypatch)
+    why = "NVML is not available (NVMLError_LibraryNotFound)"
+    assert probes.nvml_process_bytes() == (None, why)
+
+
 def test_cpu_build_never_asks_torch_cuda(monkeypatch):
     if torch.version.cuda is not None:
         pytest.skip("a CUDA build")

@@ -5,15 +5,23 @@
     >>> [(d.device, d.median_s, d.speedup, d.max_abs_diff) for d in result.devices]
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
-For each device in turn the names the cell reads that hold tensors (in
+The names the cell reads, and those the notebook's functions it calls read
+(`cells.reach`), are its inputs; a function that reaches tensors through no
+name of the notebook (its own module's globals, a closure) is refused before
+anything runs. For each device in turn the inputs that hold tensors (in
 containers or in any object's attributes: a dataset, an LR scheduler) are
-deep-copied together (aliases and views stay shared among the copies), tensors
-on an accelerator straight to the device, and the copies moved there with the
-`%%ondevice` mover; the cell runs with that device as torch's default and as
-`device` (the CPU under no device mode, which would slow every torch call);
-then the namespace gets back exactly the bindings it had, so neither the copies
-nor anything the cell bound leak out, and the random states are put back. The
-cell is compiled once, run `warmup` times, then timed `runs` times, the device
+deep-copied together (aliases and views stay shared among the copies), the
+memo seeded with each tensor's copy: a tensor on another device is copied
+straight to the device, one already there is *shared* (a new tensor on its
+storage), unless `--warmup 0`. The first warm-up runs under `_WriteGuard`,
+which stops it before any operator writes into a shared storage; what the
+name that reached it holds is then copied and the warm-up made again. The copies
+are moved there with the `%%ondevice` mover; the cell runs with that device as
+torch's default and as `device` (the CPU under no device mode, which would slow
+every torch call); then the namespace gets back exactly the bindings it had,
+the copies are freed before the next device's are made, and the random states
+(torch's and the user's generators the cell reaches) are put back. The cell is
+compiled once, run `warmup` times, then timed `runs` times, the device
 synchronised around each timed run where its runtime is up.
 """
 
@@ -22,26 +30,32 @@ from __future__ import annotations
 import cmath
 import contextlib
 import copy
+import functools
+import gc
 import math
 import statistics
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from .cells import reach
 from .default_device import lifted
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
-from .namespace import holds_tensors
-from .probes import active_accelerator, clock
+from .namespace import generators, holds_tensors, tensors_in
+from .probes import active_accelerator, clock, empty_cache, free_bytes
 from .reports import Table
-from .units import fmt_seconds
+from .tensors import storage_bytes, storage_key
+from .units import fmt_bytes, fmt_seconds
 
 
 @dataclass(frozen=True)
@@ -124,18 +138,33 @@ def compare(
     devices: Sequence[torch.device],
     runs: int = 5,
     warmup: int = 1,
+    hidden: Container[str] = (),
 ) -> Comparison:
     """Call `run` (a cell compiled by `cells.compiled`) on each device in turn, with copies of
-    those of `reads` (the user's names it reads) that hold tensors; the namespace ends as it
-    began."""
+    those of `reads` (the user's names it reads), and of the names the notebook's functions
+    it calls read, that hold tensors; the namespace ends as it began. `hidden`: names never
+    copied (IPython's own)."""
     __tracebackhide__ = True
-    names = _tensor_names(namespace, reads)
+    reads = set(reads)
+    found = reach(namespace, reads)
+    if found.unfollowed:
+        raise DeviceMagicError(
+            f"%%devcompare cannot run this cell on copies: {found.unfollowed[0]}, which it "
+            "would change for real; nothing ran (pass them as arguments, or define the "
+            "function in the notebook)"
+        )
+    read = {n for n in reads | found.names if n in namespace and n not in hidden}
+    names = sorted(n for n in read if holds_tensors(namespace[n]))
+    kept = generators(namespace[n] for n in sorted(read))
     timings: list[DeviceTiming] = []
     reference = None
     for i, dev in enumerate(devices):
+        made: list[weakref.ref] = []
         try:
-            with _rng_kept(devices):  # each device starts from the notebook's random state
-                runs_s, value = _on_device(namespace, run, dev, names, runs, warmup)
+            # Each device (and each new start of a stopped warm-up) starts from the notebook's
+            # random state, which is put back after.
+            rng = functools.partial(_rng_kept, devices, kept)
+            runs_s, value = _on_device(namespace, run, dev, names, runs, warmup, made, rng)
         except BaseException:
             reference = None  # IPython keeps the traceback, and this frame with it
             raise
@@ -149,19 +178,15 @@ def compare(
         diff = None if i == 0 else difference(reference, value)
         timings.append(DeviceTiming(str(dev), runs_s, speedup, diff))
         del value  # before the next device runs: it may hold that device's memory
+        _free(made, dev, kept=reference)  # and so may its copies
     return Comparison(timings, warmup)
 
 
-def _tensor_names(ns: dict, read: Iterable[str]) -> list[str]:
-    """Those of the names the cell reads that hold tensors, modules or optimizers, in
-    containers or in any object's attributes (a TensorDataset, an LR scheduler)."""
-    return sorted(n for n in read if n in ns and holds_tensors(ns[n]))
-
-
 @contextlib.contextmanager
-def _rng_kept(devices: Sequence[torch.device]) -> Iterator[None]:
-    """Save the random state of the CPU and of each device compared, and put it back,
-    so that a seeded notebook draws the same numbers after the comparison as before."""
+def _rng_kept(devices: Sequence[torch.device], kept: Sequence[torch.Generator]) -> Iterator[None]:
+    """Save the random state of the CPU, of each device compared and of the generators `kept`
+    (the user's own, which the cell reaches), and put it back, so that a seeded notebook
+    draws the same numbers after the comparison as before."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU's
         for kind in sorted({d.type for d in devices} - {"cpu", "meta"}):
@@ -171,6 +196,8 @@ def _rng_kept(devices: Sequence[torch.device]) -> Iterator[None]:
             current = getattr(module, "current_device", lambda: 0)  # MPS has one device
             indices = {current() if d.index is None else d.index for d in devices if d.type == kind}
             stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+        for generator in kept:
+            stack.callback(generator.set_state, generator.get_state())
         yield
 
 
@@ -188,21 +215,63 @@ def _default_device(dev: torch.device) -> Iterator[None]:
 
 def _on_device(
     ns: dict[str, Any], run: Callable[[], Any], dev: torch.device, names: list[str], runs: int,
-    warmup: int,
+    warmup: int, made: list[weakref.ref], rng: Callable[[], contextlib.AbstractContextManager],
+) -> tuple[list[float], Any]:
+    """The runs on `dev`. With a warm-up, tensors already on `dev` are shared, and the first
+    warm-up runs under a guard that stops it before it writes one; what that run would have
+    written (all a name reaches) is then copied, and the run made again."""
+    __tracebackhide__ = True
+    written: set[str] = set() if warmup else set(names)  # names whose tensors are all copied
+    while True:
+        try:
+            with rng():
+                return _runs(ns, run, dev, names, written, runs, warmup, made)
+        except _SharedWrite as hit:
+            written |= hit.names
+        _free(made, dev)  # the stopped run's copies, before the next ones are made
+        made.clear()
+
+
+def _free(made: list[weakref.ref], dev: torch.device, kept: object = None) -> None:
+    """Make sure the copies `made` for `dev` are gone, but those in `kept` (a result):
+    the collector runs only where something (a cycle among the copied objects) still
+    holds one, since a full collection takes a while in a large notebook."""
+    alive = [t for t in (ref() for ref in made) if t is not None]
+    if alive:
+        mine = {id(t) for t in tensors_in([kept])} if kept is not None else set()
+        if any(id(t) not in mine for t in alive):
+            del alive
+            gc.collect()
+    if made:
+        empty_cache(dev)
+
+
+def _runs(
+    ns: dict[str, Any], run: Callable[[], Any], dev: torch.device, names: list[str],
+    written: set[str], runs: int, warmup: int, made: list[weakref.ref],
 ) -> tuple[list[float], Any]:
     __tracebackhide__ = True
     bindings = dict(ns)
     value = None
+    inputs: _Inputs | None = None
     try:
-        ns.update(_copies(ns, names, dev))
+        inputs = _copies(ns, names, dev, written)
+        made.extend(inputs.made)
+        ns.update(inputs.copies)
         move(ns, names, dev)
         ns["device"] = dev
         with _default_device(dev), warnings.catch_warnings():
             # A copied optimizer loses the step wrapper its LR scheduler put on the original,
             # and torch would blame the user for "overriding" it.
             warnings.filterwarnings("ignore", message=_UNWRAPPED_STEP)
-            for _ in range(warmup):
-                run()
+            for k in range(warmup):
+                if k == 0 and inputs.shared:
+                    with _WriteGuard(inputs.shared) as guard:
+                        run()
+                    guard.check()  # a write the cell caught and swallowed
+                else:
+                    run()
+            versions = inputs.versions()
             runs_s = []
             for _ in range(runs):
                 _synchronize(dev)
@@ -210,8 +279,11 @@ def _on_device(
                 value = run()
                 _synchronize(dev)
                 runs_s.append(clock() - start)
+                if inputs.versions() != versions:
+                    raise DeviceMagicError(_WROTE_LATE.format(
+                        ", ".join(inputs.changed(versions)), dev))
         return runs_s, value
-    except DeviceMagicError:  # the inputs could not be copied or moved: the cell did not run
+    except (DeviceMagicError, _SharedWrite):  # the inputs could not be copied: it did not run
         raise
     except Exception:
         print(f"%%devcompare: the cell failed on {dev}", file=sys.stderr)
@@ -220,31 +292,160 @@ def _on_device(
         ns.clear()
         ns.update(bindings)
         # On an error IPython keeps the traceback, and this frame with it, until the next
-        # one: it must not keep the old bindings (the user's tensors) nor a result.
+        # one: it must not keep the old bindings (the user's tensors), the copies nor a result.
         bindings.clear()
-        value = None
+        value = inputs = None
 
 
-def _copies(ns: dict, names: list[str], dev: torch.device) -> dict[str, object]:
-    """Deep copies of `names`, made together so that aliases and views stay shared; what
-    lives on an accelerator is copied straight to `dev`."""
+_WROTE_LATE = (
+    "%%devcompare stopped: a timed run on {1} wrote into {0}, which the guarded warm-up run "
+    "did not; those values have changed (run it with --warmup 0, which copies everything)"
+)
+
+
+@dataclass
+class _Inputs:
+    """The copies one device's runs get, and the user's storages they share."""
+
+    copies: dict[str, object]
+    shared: dict[int, set[str]]  # storage key -> the names that reach it
+    aliases: list[Tensor]  # the copies that share a storage of the user's
+    made: list[weakref.ref]  # the copies that hold memory of their own
+
+    def versions(self) -> list[int]:
+        return [t._version for t in self.aliases]
+
+    def changed(self, before: list[int]) -> list[str]:
+        keys = {storage_key(t) for t, v in zip(self.aliases, before) if t._version != v}
+        return sorted({n for k in keys for n in self.shared.get(k, ())})
+
+
+def _copies(ns: dict, names: list[str], dev: torch.device, written: set[str]) -> _Inputs:
+    """Copies of `names`, made together so that aliases and views stay shared. A tensor is
+    copied straight to `dev`; one already there that no name of `written` reaches is not
+    copied but shared (a new tensor on the same storage)."""
     try:
+        plan = _SharePlan(dev, {n: ns[n] for n in names}, written)
+        plan.check_fits()
+        memo = plan.memo()
         with _StraightTo(dev):
-            return copy.deepcopy({n: ns[n] for n in names})
+            copies = copy.deepcopy({n: ns[n] for n in names}, memo)
+    except DeviceMagicError:
+        raise
     except Exception as err:
         reason = first_sentence(err)
         raise DeviceMagicError(f"%%devcompare could not copy the cell's inputs: {reason}") from None
+    return _Inputs(copies, plan.shared_names(), plan.aliases, plan.made)
+
+
+class _SharePlan:
+    """Which tensors `objs` reach are shared and which copied, and what the copies weigh."""
+
+    def __init__(self, dev: torch.device, objs: dict[str, object], written: set[str]) -> None:
+        self.dev = dev
+        self.tensors: dict[int, Tensor] = {}  # id -> tensor; the rest is deepcopy's
+        self.reached: dict[int, set[str]] = {}  # storage key -> the names that reach it
+        for name, obj in objs.items():
+            for t in tensors_in([obj]):
+                grad = t.grad if t.is_leaf else None
+                if not _plain(t) or (grad is not None and not _plain(grad)):
+                    continue
+                if t.is_meta and dev.type != "meta":
+                    continue  # nothing comes off meta: the move says so
+                for part in (t, grad) if grad is not None else (t,):
+                    self.tensors.setdefault(id(part), part)
+                    self.reached.setdefault(storage_key(part), set()).add(name)
+        self.copied = {k for k, reach in self.reached.items() if reach & written}
+        self.aliases: list[Tensor] = []
+        self.made: list[weakref.ref] = []
+
+    def shareable(self, t: Tensor) -> bool:
+        return t.device == self.dev and storage_key(t) not in self.copied
+
+    def check_fits(self) -> None:
+        """Refuse before copying what the target has no room for."""
+        sizes = {storage_key(t): storage_bytes(t) for t in self.tensors.values()
+                 if not self.shareable(t) and not t.is_meta}
+        need = sum(sizes.values())
+        if not need or self.dev.type == "meta":
+            return
+        if self.dev.type != "cpu":
+            torch.empty(0, device=self.dev)  # its runtime up, so that its free memory reads
+        free = free_bytes(self.dev)
+        if free is not None and need > free:
+            where = "the host" if self.dev.type == "cpu" else str(self.dev)
+            raise DeviceMagicError(
+                f"%%devcompare needs {fmt_bytes(need)} on {where} for its copies of the "
+                f"cell's inputs, and {fmt_bytes(free)} is free there: nothing ran"
+            )
+
+    def memo(self) -> dict[int, Any]:
+        """A deepcopy memo that already holds each tensor's copy or alias."""
+        memo: dict[int, Any] = {}
+        for t in self.tensors.values():
+            self._made(t, memo)
+        return memo
+
+    def _made(self, t: Tensor, memo: dict) -> Tensor:
+        if id(t) in memo:
+            return memo[id(t)]
+        share = self.shareable(t)
+        # A scalar (an optimizer's `step`) is copied where it is: the move then applies
+        # torch's rule, which keeps `step` on the CPU.
+        new = _rebuilt(t, memo, t.device if t.dim() == 0 else self.dev, share)
+        if t.is_leaf:
+            grad = None if t.grad is None else self._made(t.grad, memo)
+            if type(t) is torch.nn.Parameter:
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            else:
+                new.requires_grad_(t.requires_grad)
+            new.grad = grad
+        if t.__dict__:
+            new.__dict__.update(copy.deepcopy(t.__dict__, memo))
+        if share:
+            self.aliases.append(new)
+        else:
+            self.made.append(weakref.ref(new))
+        memo[id(t)] = new
+        return new
+
+    def shared_names(self) -> dict[int, set[str]]:
+        return {storage_key(t): self.reached[storage_key(t)] for t in self.aliases}
+
+
+def _plain(t: Tensor) -> bool:
+    """A strided tensor or Parameter, which the plan copies or shares itself."""
+    return (t.layout == torch.strided and type(t) in (Tensor, torch.nn.Parameter)
+            and not t.is_nested)
+
+
+def _rebuilt(t: Tensor, memo: dict, dev: torch.device, share: bool) -> Tensor:
+    """`t` on a storage of `dev`: its own (`share`), or one copy of its whole storage, made
+    once per storage, so that views stay views; detached, with its lazy conj/neg bits."""
+    key = ("storage", storage_key(t))
+    if key not in memo:
+        if share:
+            memo[key] = t.untyped_storage()
+        else:
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            memo[key] = whole.to(dev, copy=True).untyped_storage()
+    new = torch.empty(0, dtype=t.dtype, device=dev)
+    new.set_(memo[key], t.storage_offset(), t.size(), t.stride())
+    if t.is_conj():  # lazy views: the storage holds what they negate or conjugate
+        new = new.conj()
+    if t.is_neg():
+        new = new._neg_view()
+    return new
 
 
 _UNWRAPPED_STEP = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate"
-_DEEPCOPIED = ("cpu", "meta")  # where a deep copy is cheap; elsewhere it would be a same-GPU copy
 
 
 class _StraightTo(TorchFunctionMode):
-    """Inside `copy.deepcopy`: a tensor on an accelerator is copied straight to `device`
-    (the move then has nothing to do), not cloned where it is first, which on a full
-    GPU would need twice its memory; a tensor with an autograd history, which deepcopy
-    refuses, is copied detached."""
+    """Inside `copy.deepcopy`, for tensors the plan did not reach (in an object's
+    `__slots__`, behind a `__getstate__`): a tensor is copied straight to `device`, not
+    cloned where it is first, which on a full GPU would need twice its memory; a tensor
+    with an autograd history, which deepcopy refuses, is copied detached."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -252,40 +453,94 @@ class _StraightTo(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is Tensor.clone and args[0].device.type not in _DEEPCOPIED:
+        if func is Tensor.clone and _plain(args[0]) and not args[0].is_meta:
             return args[0].to(self.device, copy=True, **kwargs)  # a Parameter's deepcopy
         if func is not Tensor.__deepcopy__:
             return func(*args, **kwargs)
         t, memo = args
         if id(t) in memo:
             return memo[id(t)]
-        if t.device.type in _DEEPCOPIED:
-            if t.is_leaf:
-                return func(t, memo)
-            memo[id(t)] = t.detach().clone()
-        elif t.layout != torch.strided or type(t) is not Tensor:
-            return func(t, memo)  # sparse, subclasses: deepcopy's own way, then the move
-        else:
-            memo[id(t)] = self._straight(t, memo)
-        return memo[id(t)]
-
-    def _straight(self, t: Tensor, memo: dict) -> Tensor:
-        # The whole storage once, each tensor on it a view of the copy: views stay views.
-        key = ("storage", t.untyped_storage()._cdata)
-        if key not in memo:
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            memo[key] = whole.to(self.device, copy=True).untyped_storage()
-        new = torch.empty(0, dtype=t.dtype, device=self.device)
-        new.set_(memo[key], t.storage_offset(), t.size(), t.stride())
-        if t.is_conj():  # lazy views: the storage holds what they negate or conjugate
-            new = new.conj()
-        if t.is_neg():
-            new = new._neg_view()
+        if not _plain(t) or type(t) is not Tensor or t.is_meta:
+            return func(t, memo)  # sparse, subclasses, meta: deepcopy's own way, then the move
+        memo[id(t)] = new = _rebuilt(t, memo, self.device, share=False)
         if t.is_leaf:
             new.requires_grad_(t.requires_grad)
             if t.grad is not None:
-                new.grad = self._straight(t.grad, memo)
+                new.grad = copy.deepcopy(t.grad, memo)
         return new
+
+
+class _SharedWrite(BaseException):
+    """The guarded run was about to write into a storage of the user's: it stops there.
+
+    A BaseException, so that a cell's `except Exception` does not swallow it."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__(", ".join(sorted(names)))
+        self.names = names
+
+
+_ESCAPES = frozenset({Tensor.numpy, Tensor.__array__, Tensor.data_ptr, Tensor.__dlpack__})
+
+
+class _WriteGuard(TorchDispatchMode):
+    """Stops a run before any operator writes into one of `shared`'s storages (an argument
+    its schema marks as written, `out=` included), or hands one to NumPy or to a raw
+    pointer, which torch cannot watch."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # else the first run imports torch._dynamo to wrap this mode: seconds
+
+    def __init__(self, shared: dict[int, set[str]]) -> None:
+        super().__init__()
+        self.shared = shared
+        self.hit: set[str] = set()
+        self._escapes = _EscapeGuard(self)
+
+    def __enter__(self):
+        self._escapes.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._escapes.__exit__(*exc)
+
+    def stop(self, t: object) -> None:
+        if isinstance(t, Tensor) and t.layout == torch.strided:
+            names = self.shared.get(storage_key(t))
+            if names is not None:
+                self.hit |= names
+                raise _SharedWrite(names)
+
+    def check(self) -> None:
+        if self.hit:
+            raise _SharedWrite(self.hit)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    self.stop(t)
+        return func(*args, **kwargs)
+
+
+class _EscapeGuard(TorchFunctionMode):
+    def __init__(self, guard: _WriteGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _ESCAPES and args:
+            self.guard.stop(args[0])
+        return func(*args, **(kwargs or {}))
 
 
 def _synchronize(dev: torch.device) -> None:

@@ -30,6 +30,7 @@ from .probes import active_accelerator, nvml_used_bytes
 from .reports import Table
 from .tensors import storage_bytes
 from .units import fmt_bytes, fmt_seconds
+from .workers import Worker
 
 TENSORS_SHOWN = 5
 _ALLOCATORS = {
@@ -56,9 +57,11 @@ class GpumemReport(Measurement):
     allocator: str | None = None  # CUDA's backend: 'native', 'cudaMallocAsync', 'uncached'
     nvml_used_bytes: int | None = None  # device-wide, all processes and the context
     tensors: list[TensorInfo] = field(default_factory=list)
+    processes: list[Worker] = field(default_factory=list)  # the cell's workers, one by one
 
     def tables(self) -> list[Table]:
-        """The measures, then the largest new tensors (when the cell left any)."""
+        """The measures, then the cell's workers and the largest new tensors (where the
+        cell had any)."""
         host = (
             f"{fmt_bytes(self.host_delta_bytes, signed=True)}, "
             f"peak {fmt_bytes(self.host_peak_bytes)} above the start"
@@ -86,7 +89,11 @@ class GpumemReport(Measurement):
                 rows.append(["also changed", f"{self.other_devices} (synchronised, not shown)"])
             if self.device_error is not None:
                 rows.append(["error at the end", self.device_error])
+        if self.workers:
+            rows.append(["workers", self.workers_summary()])
         out = [Table(title, ["measure", "value"], rows)]
+        if self.processes:
+            out.append(self._workers_table())
         if self.tensors:
             out.append(
                 Table(
@@ -99,6 +106,30 @@ class GpumemReport(Measurement):
                 )
             )
         return out
+
+    def _workers_table(self) -> Table:
+        """A row per worker: its peak and PSS, and on a GPU its memory there (NVML)."""
+        gpu = self.workers_note is not None or any(
+            w.device_bytes is not None for w in self.processes
+        )
+        headers = ["pid", "state", "peak", "PSS at the end"] + (["GPU (NVML)"] if gpu else [])
+        rows = []
+        for w in self.processes:
+            if w.exited:
+                row = [w.pid, "exited", "-", "-"]
+            else:
+                row = [w.pid, "running", fmt_bytes(w.peak_bytes), fmt_bytes(w.pss_bytes)]
+            rows.append(row + (["-" if w.device_bytes is None else fmt_bytes(w.device_bytes)]
+                               if gpu else []))
+        notes = []
+        if any(w.exited for w in self.processes):
+            notes.append(
+                "an exited worker's peak is not kept process by process: the largest is in "
+                "the workers row (getrusage)"
+            )
+        if self.workers_note is not None:
+            notes.append(self.workers_note)
+        return Table("the cell's worker processes", headers, rows, notes)
 
     def _allocated(self) -> str:
         after, delta = self.device_allocated_bytes, self.device_delta_bytes
@@ -152,5 +183,6 @@ def measure(
         allocator=None if accel is None else accel.allocator(),
         nvml_used_bytes=nvml_used_bytes(accel),
         tensors=new_tensors(namespace, before),
+        processes=list(meter.workers.processes),
     )
     return report, value

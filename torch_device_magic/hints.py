@@ -25,6 +25,7 @@ import traceback
 
 import torch
 
+from .cells import reach
 from .namespace import TensorRow, scan
 from .probes import free_and_total, torch_default_device
 from .units import fmt_bytes
@@ -78,6 +79,8 @@ def _mismatch(
 ) -> str:
     words = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", source))  # in order, once each
     used = [name for name in words if name in namespace]
+    reached = reach(namespace, used)  # and what the notebook functions it calls read
+    used += sorted(reached.names - set(used))
     rows = scan({name: namespace[name] for name in used}).rows
     rows.sort(key=lambda r: used.index(r.name))
     lines = [f"{PREFIX} the tensors this operation got are on different devices."]
@@ -99,6 +102,9 @@ def _mismatch(
             f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
             "or .to(device) each one."
         )
+    if reached.unfollowed:
+        held = "; ".join(map(str, reached.unfollowed[:3]))
+        lines.append(f"  %%ondevice cannot move these (.to(device) them yourself): {held}.")
     return "\n".join(lines)
 
 

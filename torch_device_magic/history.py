@@ -65,6 +65,11 @@ class History:
             ]
             for r in self._records
         ]
+        headers = HEADERS
+        if any(r.workers for r in self._records):  # a column only where a cell had workers
+            headers = [*HEADERS, "workers"]
+            for row, r in zip(rows, self._records):
+                row.append(r.workers_summary() or "-")
         title = f"per-cell history: {plural(len(rows), 'cell')} (the last {self.maxlen} are kept)"
         notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
         peaks = self.session_peaks()
@@ -74,7 +79,7 @@ class History:
                 "process-wide peak before each cell): "
                 + ", ".join(f"{d} {fmt_bytes(b)} in cell {c}" for d, (b, c) in peaks.items())
             )
-        return Table(title, HEADERS, rows, notes)
+        return Table(title, headers, rows, notes)
 
     def session_peaks(self) -> dict[str, tuple[int, int | None]]:
         """`{device: (bytes, cell)}`: the most allocated at any moment of a kept cell, what

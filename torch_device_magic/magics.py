@@ -310,10 +310,14 @@ class TorchDeviceMagics(Magics):
         Choices where the contract is silent:
         - Names are the global names the cell's code reads (the roots of
           `a.b[c]` too), also inside the functions and lambdas it defines, but
-          not their parameters, loop variables or locals; not inside the
-          functions it calls: a training function that uses a global optimizer
-          needs that optimizer named, or --all. Names inside nested magics
-          (`%time f(x)`) are not seen either.
+          not their parameters, loop variables or locals; and the globals that
+          the notebook's own functions it calls read (methods of its classes,
+          lambdas, partials and decorated functions too), transitively: a
+          `train_step()` that uses a global model and optimizer moves them.
+          What cannot follow stays where it is, and -v names it: the globals
+          of a module of your own (`train.py`), a closure's or a default
+          argument's tensors. Names inside nested magics (`%time f(x)`) are
+          not seen.
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry, a weak reference, a module attribute
           and an optimizer that held the same tensor still do, with its
@@ -366,13 +370,17 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
                  else cells.names_read(self.shell, cell))
+        found = cells.reach(self.shell.user_ns, names)  # what the notebook functions it calls read
+        names = sorted({*names, *found.names})
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
             if moved.interrupted:  # a Ctrl-C once the move was done: restored below
                 raise KeyboardInterrupt
             if args.verbose:
-                display(moved.table())
+                table = moved.table()
+                table.notes = [*table.notes, *found.notes()]
+                display(table)
             with torch.device(dev):
                 return run()
         except BaseException as err:
@@ -514,12 +522,22 @@ class TorchDeviceMagics(Magics):
 
         On each device the cell gets copies of what it reads that holds tensors
         (models, optimizers, containers, and objects holding them such as a
-        TensorDataset or an LR scheduler), accelerator tensors copied straight
-        there and the rest moved as %%ondevice moves it, with that device as
-        torch's default and as `device` (the CPU runs with no default device
-        installed, even under %device). Afterwards the namespace is exactly as
-        before: nothing the cell bound or changed stays, and the random state of
-        the CPU and the devices is as it was. Times are wall times with the
+        TensorDataset or an LR scheduler), also what the notebook's own
+        functions it calls read (`loss = train_step()` trains copies of the
+        global model and optimizer, never yours), with that device as torch's
+        default and as `device` (the CPU runs with no default device installed,
+        even under %device). A function that reaches tensors through no name of
+        the notebook (a module of your own's globals, a closure, a default
+        argument) is refused in one line and nothing runs; installed code
+        (torch, the standard library, site-packages) is not looked into.
+        Tensors are copied straight to the device; one already there is shared
+        unless the first warm-up, run under a guard that stops it before any
+        write into it, shows the cell writes it (then it is copied; --warmup 0
+        copies everything). Copies that do not fit in the free memory are
+        refused in one line; each device's are freed before the next device's.
+        Afterwards the namespace is exactly as before: nothing the cell bound
+        or changed stays, and the random state of the CPU, the devices and
+        your own generators the cell reaches is as it was. Times are wall times with the
         device synchronised; the difference is the largest absolute difference
         between the devices' values of the cell's last expression (tensors, or
         lists, tuples and dicts of them): NaN in the same places is equal, NaN
@@ -537,8 +555,8 @@ class TorchDeviceMagics(Magics):
         chosen = devices_to_compare(args.devices, take_inventory(probe_cuda_runtime=cuda))
         run = cells.compiled(self.shell, cell)
         hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
-        reads = [n for n in cells.names_read(self.shell, cell) if n not in hidden]
-        result = compare(self.shell.user_ns, run, reads, chosen, args.runs, args.warmup)
+        result = compare(self.shell.user_ns, run, cells.names_read(self.shell, cell), chosen,
+                         args.runs, args.warmup, hidden)
         if args.output:
             return result
         display(result)
@@ -620,7 +638,11 @@ class TorchDeviceMagics(Magics):
         device time on the current stream (work on other streams is outside it),
         the allocator backend, host RSS change and peak, and the five largest
         tensors bound to names the cell created or rebound (the storage each
-        keeps alive). Without an accelerator in use (or with
+        keeps alive). Where the cell had child processes (DataLoader workers,
+        torch.multiprocessing, notebook_launcher), a row per worker: its pid,
+        whether it still runs, its peak RSS, its PSS at the end (shared pages
+        split between the processes sharing them) and, where NVML lists it,
+        its GPU memory. Without an accelerator in use (or with
         `--device cpu`) it says so and reports host memory only. The cell is
         not reported a second time by the per-cell line. `-o` makes the report
         the cell's output instead of its last value (as `%%timeit -o` does);

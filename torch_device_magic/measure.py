@@ -25,10 +25,13 @@ from .probes import (
     active_accelerator,
     built_kinds,
     clock,
+    cuda_built,
     devices_in_use,
     host_probe,
+    nvml_process_bytes,
 )
 from .units import fmt_bytes, fmt_seconds
+from .workers import NONE, ChildWatch, Workers, with_device_memory
 
 
 @dataclass(slots=True)
@@ -47,6 +50,15 @@ class Measurement:
     cell: int | None = None  # the cell number, in the per-cell history
     other_devices: str | None = None  # 'cuda:1 cuda:2': also changed, synchronised, not shown
     device_error: str | None = None  # an accelerator error that surfaced at the end-of-cell sync
+    # The cell's child processes (workers.py): 0 for none; None where not looked for.
+    workers: int | None = None
+    workers_exited: int | None = None  # of them, exited before the end of the cell
+    workers_uncounted: bool | None = None  # True: more exited than counted (not forked)
+    workers_peak_bytes: int | None = None  # the largest one's RSS high-water mark
+    workers_peak_bound: bool | None = None  # True: an exited one's, known only as at most this
+    workers_pss_bytes: int | None = None  # total PSS of those alive at the end
+    workers_device_bytes: int | None = None  # their GPU memory at the end (NVML)
+    workers_note: str | None = None  # why a worker figure could not be read
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -66,8 +78,28 @@ class Measurement:
         )
         return max((abs(b) for b in figures if b is not None), default=0)
 
+    def workers_summary(self) -> str:
+        """'2 (exited), largest peak 412.0 MiB, PSS 0 B', or "" for a cell without workers."""
+        if not self.workers:
+            return ""
+        exited = self.workers_exited or 0
+        state = (
+            "" if not exited else " (exited)" if exited >= self.workers else f" ({exited} exited)"
+        )
+        bound = "≤ " if self.workers_peak_bound else ""
+        text = (
+            f"{self.workers}{'+' if self.workers_uncounted else ''}{state}, "
+            f"largest peak {bound}{fmt_bytes(self.workers_peak_bytes)}"
+        )
+        if self.workers_pss_bytes is not None:
+            text += f", PSS {fmt_bytes(self.workers_pss_bytes)}"
+        if self.workers_device_bytes is not None:
+            text += f", GPU {fmt_bytes(self.workers_device_bytes)}"
+        return text if self.workers_note is None else f"{text} ({self.workers_note})"
+
     def summary(self) -> str:
-        """The compact line: time, then device and host memory (`n/a` where not measured)."""
+        """The compact line: time, then device and host memory (`n/a` where not measured),
+        and the cell's workers where it had any."""
         if self.host_delta_bytes is None and self.host_peak_bytes is None:
             host = "host n/a"
         else:
@@ -75,6 +107,8 @@ class Measurement:
                 f"host {fmt_bytes(self.host_delta_bytes, signed=True)}"
                 f" (peak {fmt_bytes(self.host_peak_bytes)})"
             )
+        if self.workers:
+            host += f", workers {self.workers_summary()}"
         if self.device is None:
             return f"time {fmt_seconds(self.wall_s)} | {host}"
         # Events time the device's current stream only: work on other streams is not in it.
@@ -132,6 +166,9 @@ class Meter:
 
     def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:
         self.host = host if host is not None else host_probe()
+        self.children = ChildWatch()
+        self._no_workers = 0 if self.children.sees else None  # None: not looked for
+        self.workers: Workers = NONE  # the last stop's, process by process (for %%gpumem)
         self.sync = sync
         self._kinds = built_kinds()
         self._device: str | torch.device | None = None
@@ -152,6 +189,7 @@ class Meter:
             for accel in watched:
                 accel.start_peak()
             self._events = {a.name: a.record_event() for a in watched if a.has_context()}
+        self.children.start()
         self.host.start()
         self._t0 = clock()
 
@@ -165,7 +203,7 @@ class Meter:
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
             host_delta, host_peak = self.host.stop()
-            return Measurement(wall_s, None, None, None, None, host_delta, host_peak)
+            return self._workers(Measurement(wall_s, None, None, None, None, host_delta, host_peak))
         watched = devices_in_use(main)
         ends, error = {}, None
         if self.sync:  # without it the end events are not done, so there is no device time
@@ -183,7 +221,7 @@ class Meter:
         old, new = before[shown.name], after[shown.name]
         sampled = shown.sampled_peak_bytes()
         peak = _sub(new.peak_bytes, old.allocated_bytes) if sampled is None else sampled
-        return Measurement(
+        return self._workers(Measurement(
             wall_s,
             device_s=Accelerator.elapsed_s(self._events.get(shown.name), ends.get(shown.name)),
             device_delta_bytes=_sub(new.allocated_bytes, old.allocated_bytes),
@@ -195,7 +233,28 @@ class Meter:
             device_allocated_bytes=new.allocated_bytes,
             other_devices=others,
             device_error=error,
-        )
+        ))
+
+    def _workers(self, m: Measurement) -> Measurement:
+        """`m` with the cell's workers (read after the clock stopped)."""
+        found = self.workers = self.children.stop()
+        if found is NONE or not found.count:  # none, or only children idle in the cell
+            m.workers = self._no_workers
+            return m
+        m.workers = found.count
+        if cuda_built() and any(not w.exited for w in found.processes):
+            per_pid = nvml_process_bytes()[0]
+            if per_pid is not None:
+                found = self.workers = with_device_memory(found, per_pid)
+        m.workers_exited = found.exited
+        m.workers_uncounted = found.uncounted
+        m.workers_peak_bytes = found.peak_bytes
+        m.workers_peak_bound = found.peak_bound
+        m.workers_pss_bytes = found.pss_bytes
+        m.workers_device_bytes = found.device_bytes
+        m.workers_note = found.device_note
+        return m
 
     def close(self) -> None:
         self.host.close()
+        self.children.close()

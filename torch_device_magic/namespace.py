@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -167,22 +167,44 @@ def holds_tensors(obj: object) -> bool:
     """Whether `obj` reaches a tensor, a module or an optimizer through containers or
     attributes (a TensorDataset, an LR scheduler holding its optimizer), looking at
     WALK_LIMIT objects at most; what raises when looked into counts as holding none."""
+    return any(isinstance(item, _HOLDS) for item in _reached([obj], _HOLDS))
+
+
+def generators(objs: Iterable[object]) -> list[torch.Generator]:
+    """The `torch.Generator`s that `objs` reach through containers and attributes (a
+    DataLoader's, its sampler's), each once, looking at WALK_LIMIT objects at most."""
+    return [item for item in _reached(objs, (*_HOLDS, torch.Generator))
+            if isinstance(item, torch.Generator)]
+
+
+def tensors_in(objs: Iterable[object]) -> list[Tensor]:
+    """The tensors that `objs` reach through containers and attributes (a module's, an
+    optimizer's state), each once, looking at WALK_LIMIT objects at most."""
+    return [item for item in _reached(objs, (Tensor,)) if isinstance(item, Tensor)]
+
+
+_HOLDS = (Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def _reached(objs: Iterable[object], leaves: tuple[type, ...]) -> Iterator[object]:
+    """The objects `objs` reach (themselves included), not entering `leaves`; what raises
+    when looked into is left as it is."""
     seen: set[int] = set()
-    stack = [obj]
+    stack = list(objs)
     for _ in range(WALK_LIMIT):
         if not stack:
-            break
+            return
         item = stack.pop()
         if type(item) in _SCALARS or id(item) in seen:
             continue
         seen.add(id(item))
         try:
-            if isinstance(item, (Tensor, torch.nn.Module, torch.optim.Optimizer)):
-                return True
+            if isinstance(item, leaves):
+                yield item
+                continue
             stack.extend(_parts(item))
         except Exception:  # an unreadable object is left as it is
             continue
-    return False
 
 
 def _parts(obj: object) -> list[object]:

@@ -680,6 +680,30 @@ def _nvml_read(module: Any, handle: Any, uuid: str) -> NvmlDevice:
     return NvmlDevice(uuid, name, mem.total, mem.free, util, capability)
 
 
+def nvml_process_bytes() -> tuple[dict[int, int] | None, str]:
+    """GPU memory per process id, summed over every device NVML lists (a GPU in MIG
+    mode through its instances), from `nvmlDeviceGetComputeRunningProcesses`; None and
+    why where NVML cannot list them. The ids are the host's: inside a container they
+    need not be this machine's. A process whose memory NVML does not give is left out."""
+    module, why = nvml_status()
+    if module is None:
+        return None, why
+    try:
+        handles = [module.nvmlDeviceGetHandleByIndex(i) for i in range(module.nvmlDeviceGetCount())]
+    except Exception as err:
+        _log.debug("NVML cannot list the devices", exc_info=True)
+        return None, f"NVML failed ({_nvml_error(err)})"
+    found: dict[int, int] = {}
+    for handle in handles:
+        for device in [mig for mig, _ in _mig_instances(module, handle)] or [handle]:
+            listed = guarded(module.nvmlDeviceGetComputeRunningProcesses, device) or []
+            for process in listed:
+                used = getattr(process, "usedGpuMemory", None)  # None: not available
+                if used is not None:
+                    found[process.pid] = found.get(process.pid, 0) + int(used)
+    return found, ""
+
+
 def nvml_cuda_driver_version() -> int | None:
     """The newest CUDA the driver runs, as NVML writes it (12040 is CUDA 12.4), or None."""
     module = nvml()

@@ -1,0 +1,290 @@
+"""The cell's other processes: DataLoader workers, torch.multiprocessing, shell children.
+
+Real child processes on this machine. What exited children used is read through
+`getrusage(RUSAGE_CHILDREN)`, which keeps the largest child ever reaped by the
+process: so the tests that read it run their cells in a child forked from pytest,
+whose count starts from nothing (`in_a_fresh_process`).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+import traceback
+
+import pytest
+from fakegpu import GIB, FakeMachine, Gpu
+
+from torch_device_magic.measure import Meter
+from torch_device_magic.workers import CONTAINER_NOTE, NONE, ChildWatch
+
+MIB = 2**20
+
+TOUCH = (
+    "from torch.utils.data import DataLoader, Dataset\n"
+    "KEEP = []\n"
+    "class Touch(Dataset):  # each worker touches `mib` MiB once, and keeps it\n"
+    "    def __init__(self, mib):\n"
+    "        self.mib = mib\n"
+    "    def __len__(self):\n"
+    "        return 8\n"
+    "    def __getitem__(self, i):\n"
+    "        if not KEEP and self.mib:\n"
+    "            KEEP.append(torch.ones(self.mib * 2**18))\n"
+    "        return i\n"
+    "def loader(mib, **kw):\n"
+    "    return DataLoader(Touch(mib), num_workers=2, multiprocessing_context='fork', **kw)\n"
+)
+
+
+def records(ip, n: int) -> list[dict]:
+    """The last `n` cells' records, with the line each showed as `line`."""
+    kept = ip.magics_manager.registry["TorchDeviceMagics"].reporter.history.records()[-n:]
+    return [{**r.as_dict(), "line": r.summary()} for r in kept]
+
+
+def in_a_fresh_process(ip, cells: list[str]) -> list[dict]:
+    """Run `cells` in `ip` inside a child forked from this process; their records."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer, and never return into pytest
+        try:
+            for cell in cells:
+                ip.run_cell(cell, store_history=True)
+            answer = json.dumps(records(ip, len(cells)))
+        except BaseException:
+            answer = json.dumps({"error": traceback.format_exc()})
+        finally:
+            with os.fdopen(write, "w") as out:
+                out.write(answer)
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got:
+        found = json.loads(got.read())
+    os.waitpid(pid, 0)
+    assert not isinstance(found, dict), found["error"]
+    return found
+
+
+def test_a_data_loaders_workers_that_exited_are_counted_with_the_larger_peak(ip):
+    ip.run_cell(TOUCH)
+    idle, touched, smaller = in_a_fresh_process(ip, [
+        "batches = list(loader(0))",  # first: getrusage keeps the largest so far
+        "batches = list(loader(64))",
+        "batches = list(loader(0))",  # smaller than the largest so far: only a bound
+    ])
+    for cell in (idle, touched):
+        assert (cell["workers"], cell["workers_exited"]) == (2, 2)
+        assert cell["workers_peak_bound"] is False
+        assert cell["workers_pss_bytes"] is None  # none alive at the end
+        assert ", workers 2 (exited), largest peak " in cell["line"]
+    # A worker's peak counts the pages it shares with the kernel: the 64 MiB are on top.
+    assert touched["workers_peak_bytes"] - idle["workers_peak_bytes"] >= 60 * MIB
+    assert (smaller["workers"], smaller["workers_peak_bound"]) == (2, True)
+    assert smaller["workers_peak_bytes"] == touched["workers_peak_bytes"]
+    assert ", largest peak ≤ " in smaller["line"]
+
+
+def test_live_workers_show_their_peak_and_pss_and_idle_ones_leave_later_cells(ip):
+    ip.run_cell(TOUCH)
+    ip.run_cell("idle = iter(loader(0, persistent_workers=True)); next(idle); next(idle)")
+    ip.run_cell("del idle")  # their shutdown
+    ip.run_cell("touched = iter(loader(64, persistent_workers=True)); next(touched); next(touched)")
+    ip.run_cell("x = 1")  # two workers alive, not busy in this cell
+    idle, shutdown, touched, quiet = records(ip, 4)
+    for cell in (idle, touched):
+        assert (cell["workers"], cell["workers_exited"]) == (2, 0)
+        assert ", workers 2, largest peak " in cell["line"] and ", PSS " in cell["line"]
+    assert touched["workers_peak_bytes"] - idle["workers_peak_bytes"] >= 60 * MIB
+    # PSS splits what the workers share with the kernel; their own 64 MiB each count whole.
+    assert touched["workers_pss_bytes"] - idle["workers_pss_bytes"] >= 120 * MIB
+    assert (shutdown["workers"], shutdown["workers_exited"]) == (2, 2)
+    assert quiet["workers"] == 0 and "workers" not in quiet["line"]
+    ip.run_cell("del touched")
+
+
+def test_gpumem_gives_a_row_per_worker_and_devhistory_a_column(ip, capsys):
+    ip.run_cell(TOUCH)
+    report = ip.run_cell(
+        "%%gpumem -o\ntouched = iter(loader(64, persistent_workers=True)); next(touched)"
+    ).result
+    pids = sorted(w.pid for w in report.processes)
+    assert len(pids) == 2 and all(w.peak_bytes >= 64 * MIB for w in report.processes)
+    text = str(report)
+    assert "the cell's worker processes" in text
+    for pid in pids:
+        row = next(line for line in text.splitlines() if line.startswith(f"{pid} "))
+        assert row.split()[1] == "running"
+    assert "\nworkers  " in text
+    ip.run_cell("del touched")
+    capsys.readouterr()
+    ip.run_cell("%devhistory")
+    table = capsys.readouterr().out
+    assert table.splitlines()[1].split()[-1] == "workers"
+    assert "  2, largest peak " in table and "  2 (exited), largest peak " in table
+
+
+def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_path):
+    """start_processes(fork) works with %device set (the children drop our default
+    device: a meta tensor would hold no memory and gloo would refuse it), and the
+    launch cell shows both processes with their 64 MiB."""
+    ip.run_cell("%device meta")
+    ip.run_cell(
+        "import torch.distributed as dist, torch.multiprocessing as tmp\n"
+        "def nothing(rank):\n"
+        "    pass\n"
+        "def train(rank, path):\n"
+        "    dist.init_process_group('gloo', init_method=f'file://{path}', rank=rank, "
+        "world_size=2)\n"
+        "    t = torch.ones(2**24)  # 64 MiB, on the CPU: the default device was dropped\n"
+        "    dist.all_reduce(t)\n"
+        "    assert t.device.type == 'cpu' and t[0].item() == 2\n"
+        "    dist.destroy_process_group()\n"
+    )
+    rendezvous = tmp_path / "rendezvous"
+    nothing, launch = in_a_fresh_process(ip, [
+        "tmp.start_processes(nothing, nprocs=2, start_method='fork')",
+        f"tmp.start_processes(train, args=({str(rendezvous)!r},), nprocs=2, start_method='fork')",
+    ])
+    assert (launch["workers"], launch["workers_exited"], launch["workers_peak_bound"]) == (
+        2, 2, False)
+    assert launch["workers_peak_bytes"] - nothing["workers_peak_bytes"] >= 64 * MIB
+    assert ", workers 2 (exited), largest peak " in launch["line"]
+    assert ip.run_cell("torch.zeros(1).device.type").result == "meta"  # the kernel keeps it
+
+
+def test_a_childs_children_count_too_and_an_exit_fork_did_not_start_is_seen(ip):
+    ip.run_cell(
+        "import multiprocessing, os, subprocess\n"
+        "fork = multiprocessing.get_context('fork')\n"
+        "def parent(pids):\n"
+        "    sleeper = subprocess.Popen(['sleep', '30'])  # the child's own child\n"
+        "    pids.put(sleeper.pid)\n"
+        "    sleeper.wait()\n"
+        "pids = fork.SimpleQueue()\n"
+        "tree = fork.Process(target=parent, args=(pids,))\n"
+        "tree.start()\n"
+        "grandchild = pids.get()"
+    )
+    ip.run_cell("os.system('true')")  # not forked by Python: seen as it exits
+    ip.run_cell("os.kill(grandchild, 9); tree.join()")
+    started, shell, ended = records(ip, 3)
+    assert (started["workers"], started["workers_exited"]) == (2, 0)
+    # The tree idles through the next cell: only the shell's exit is the cell's.
+    assert (shell["workers"], shell["workers_uncounted"]) == (1, True)
+    assert ", workers 1+ (exited), largest peak " in shell["line"]
+    assert (ended["workers"], ended["workers_exited"]) == (2, 2)
+
+
+def test_a_cell_without_children_reads_zero_workers_and_says_nothing(ip):
+    ip.run_cell("y = torch.ones(3)")
+    (cell,) = records(ip, 1)
+    assert cell["workers"] == 0 and cell["workers_peak_bytes"] is None
+    assert "workers" not in cell["line"]
+    watch = ChildWatch()
+    watch.start()
+    assert watch.stop() is NONE
+    watch.close()
+
+
+# --- device memory per worker: NVML's per-process list on the fake GPU machine ----------------
+
+
+def live_child() -> multiprocessing.Process:
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()
+    return child
+
+
+@pytest.mark.parametrize("listed, shown, note", [
+    ("child", GIB, None),  # NVML names the worker by the pid this machine knows
+    ("other", None, CONTAINER_NOTE),  # a container: NVML's ids are the host's
+    ("none", None, None),  # no process on the GPU: no figure, and nothing to explain
+])
+def test_each_workers_gpu_memory_comes_from_nvmls_process_list(monkeypatch, listed, shown, note):
+    gpu = Gpu()
+    FakeMachine([gpu]).install(monkeypatch)
+    meter = Meter()
+    meter.start()
+    child = live_child()
+    try:
+        gpu.processes = {"child": {child.pid: GIB}, "other": {4_000_000: GIB}, "none": {}}[listed]
+        m = meter.stop()
+    finally:
+        child.kill()
+        child.join()
+        meter.close()
+    assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, shown, note)
+    (worker,) = meter.workers.processes
+    assert worker.pid == child.pid and worker.device_bytes == shown
+    if note:
+        assert f"({note})" in m.summary() and "GPU 0 B" not in m.summary()
+    if shown:
+        assert ", GPU 1.0 GiB" in m.summary()
+
+
+def test_without_nvml_the_workers_have_no_gpu_figure_and_no_note(monkeypatch):
+    FakeMachine([Gpu()], nvml=False).install(monkeypatch)
+    meter = Meter()
+    meter.start()
+    child = live_child()
+    try:
+        m = meter.stop()
+    finally:
+        child.kill()
+        child.join()
+        meter.close()
+    assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, None, None)
+
+
+# --- the real launches on a GPU (scripts/gpu-check) ---------------------------------------------
+
+
+@pytest.mark.cuda
+def test_a_fork_launch_on_cuda_works_with_the_extension_loaded(ip):
+    """No CUDA context in the kernel before the launch, our default device dropped in
+    the children, and the cell shows each worker's GPU memory (NVML's process list)."""
+    ip.run_cell("%device cuda")
+    assert ip.run_cell("torch.cuda.is_initialized()").result is False
+    ip.run_cell(
+        "import torch.multiprocessing as tmp\n"
+        "ready = tmp.get_context('fork').Barrier(3)\n"
+        "def train(rank, ready):\n"
+        "    from torch_device_magic.probes import torch_default_device\n"
+        "    assert torch_default_device() is None\n"
+        "    t = torch.ones(2**26, device=f'cuda:{rank % torch.cuda.device_count()}')\n"
+        "    ready.wait()  # 256 MiB each, held until the parent's cell has ended\n"
+        "    ready.wait()\n"
+        "procs = tmp.start_processes(train, args=(ready,), nprocs=2, start_method='fork', "
+        "join=False)\n"
+        "ready.wait()"
+    )
+    (cell,) = records(ip, 1)
+    ip.run_cell("ready.wait()\nwhile not procs.join(): pass")
+    assert (cell["workers"], cell["workers_exited"]) == (2, 0)
+    if cell["workers_note"] is None:  # outside a container NVML names them
+        assert cell["workers_device_bytes"] >= 2 * 256 * MIB
+        assert ", GPU " in cell["line"]
+    assert ip.run_cell("torch.cuda.is_initialized()").result is False
+
+
+@pytest.mark.cuda
+def test_accelerate_notebook_launcher_works_with_the_extension_loaded(ip):
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("notebook_launcher starts processes only for two GPUs or more")
+    ip.run_cell("%device cuda")
+    ip.run_cell(
+        "from accelerate import notebook_launcher\n"
+        "def train():\n"
+        "    from accelerate import Accelerator\n"
+        "    t = torch.ones(2**26, device=Accelerator().device)\n"
+        "notebook_launcher(train, num_processes=2)"
+    )
+    (cell,) = records(ip, 1)
+    assert (cell["workers"], cell["workers_exited"]) == (2, 2)
+    assert cell["workers_peak_bytes"] is not None

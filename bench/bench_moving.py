@@ -21,7 +21,7 @@
 
 CPU-only cases are timed in process CPU time (the machine may be shared);
 GPU cases in wall time, synchronised. `--against COMMIT` also times case 2 with
-that commit's `moving.py` (loaded from `git show` into a module of its own),
+that commit's mover (`moving.py`, or the `moving/` package, from `git show`),
 alternating with this one's in the same run, so that a change is measured
 before and after under the same load.
 """
@@ -34,6 +34,7 @@ import importlib.util
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,12 +83,30 @@ def compare(*cases: tuple, clock: Callable[[], float] = time.process_time) -> li
 
 
 def moving_at(commit: str):  # -> the module
-    """`torch_device_magic/moving.py` as it was at `commit`, as a module of the package."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:torch_device_magic/moving.py"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout
+    """The mover as it was at `commit`, as a module of the package: `moving.py`, or the
+    `moving/` package (written to a temporary folder)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout
+
     name = f"torch_device_magic._moving_{commit}"
+    listed = git("ls-tree", "--name-only", commit, "torch_device_magic/moving/").split()
+    files = [Path(path).name for path in listed]
+    if files:  # a package: its modules import each other
+        folder = Path(tempfile.mkdtemp(prefix=f"moving_{commit}_"))
+        for file in files:
+            (folder / file).write_text(git("show", f"{commit}:torch_device_magic/moving/{file}"))
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    source = git("show", f"{commit}:torch_device_magic/moving.py")
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     module.__package__ = "torch_device_magic"
     sys.modules[name] = module  # dataclasses look their module up

@@ -1,4 +1,4 @@
-"""moving.py between the CPU and a CUDA GPU: training carries across, restore carries back."""
+"""`moving/` between the CPU and a CUDA GPU: training carries across, restore carries back."""
 
 from __future__ import annotations
 

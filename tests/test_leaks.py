@@ -53,3 +53,19 @@ def test_a_devcompare_failing_on_the_second_device_keeps_nothing_alive(ip):
 
 def test_a_failed_cell_restored_from_meta_keeps_nothing_alive(ip):
     assert tensors_freed_after(ip, "%%ondevice meta --restore\nx + y\n1 / 0")
+
+
+def test_a_class_redefined_in_a_cell_is_freed_after_moves_and_a_reload(ip):
+    """The mover keeps no class it looked at: a class defined in a cell, with a big class
+    attribute, is freed once redefined, through `%%ondevice` cells and `%reload_ext`."""
+    define = "class Config:\n    table = torch.ones(1 << 20)  # 4 MiB\nconfig = Config()"
+    refs = []
+    for _ in range(3):
+        ip.run_cell(define)
+        refs.append(weakref.ref(ip.user_ns["Config"]))
+        ip.run_cell("x = torch.ones(2)\n")
+        ip.run_cell("%%ondevice meta\ny = (config, x.shape)")
+        ip.run_line_magic("reload_ext", "torch_device_magic")
+    ip.run_cell("del Config, config, y")
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]

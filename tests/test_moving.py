@@ -1,9 +1,10 @@
-"""moving.py on the `cpu` and `meta` devices: every guarantee, fault injection, restore."""
+"""`moving/` on the `cpu` and `meta` devices: every guarantee, fault injection, restore."""
 
 from __future__ import annotations
 
 import collections
 import copy
+import gc
 import os
 import signal
 import sys
@@ -171,7 +172,7 @@ def test_grads_that_form_a_cycle_are_walked_once():
 def test_the_storage_key_is_the_storage():
     base = torch.arange(4.0)
     tensors = [base, base[1:], base[1:].data, torch.zeros(4, device=META), torch.zeros(0)]
-    assert [moving.storage_id(t) for t in tensors] == [storage(t) for t in tensors]
+    assert [moving.plan.storage_id(t) for t in tensors] == [storage(t) for t in tensors]
 
 
 def test_views_keep_sharing_storage_with_their_base(target):
@@ -185,6 +186,46 @@ def test_views_keep_sharing_storage_with_their_base(target):
     assert (view.storage_offset(), view.shape, view.stride()) == (2, (3, 4), (4, 1))
     assert (t.shape, t.stride()) == ((4, 3), (1, 4))
     assert ints.dtype == torch.int32 and base.device == target
+
+
+def saved_then_changed_in_place(data: torch.Tensor, first: torch.Tensor) -> None:
+    """Save `first` in a graph, change `data` in place: autograd must refuse the backward."""
+    w = torch.ones(first.shape, requires_grad=True, device=first.device)
+    loss = (w * first).sum()  # mul saves `first`
+    data.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("restorable", [False, True])
+def test_a_view_moved_with_its_base_stays_its_view_sharing_the_version_counter(
+    target, restorable
+):
+    data = torch.arange(6.0)
+    first = data[:2]
+    ns = {"data": data, "first": first}
+    moved = moved_all(ns, target, restorable=restorable)
+    assert first._base is data and first.device == target and storage(first) == storage(data)
+    data.add_(1)
+    assert first._version == data._version  # one counter: autograd sees changes to either
+    saved_then_changed_in_place(data, first)
+    if restorable:  # and back (from meta: the originals)
+        restore(ns, moved)
+        assert ns["first"]._base is ns["data"] and ns["data"].device == CPU
+        saved_then_changed_in_place(ns["data"], ns["first"])
+
+
+def test_a_view_of_a_view_and_a_lazy_conjugate_view_keep_their_base_and_bits():
+    z = torch.tensor([1 + 2j, 3 + 4j, 5 + 6j])
+    tail = z[1:]
+    last = tail[1:]  # torch makes it a view of `z` itself
+    conj = z[:2].conj()
+    negated = z._neg_view()
+    ns = {"z": z, "tail": tail, "last": last, "conj": conj, "negated": negated}
+    moved_all(ns, META)
+    assert tail._base is z and last._base is z and conj._base is z
+    assert conj.is_conj() and not z.is_conj() and negated.is_neg() and not z.is_neg()
+    assert {storage(t) for t in ns.values()} == {storage(z)}
 
 
 def test_a_view_named_alone_moves_without_its_base(target):
@@ -266,11 +307,11 @@ def test_where_data_can_be_set_a_graph_made_before_sees_the_move():
     loss = (w * 2).sum()
     copy = w.detach().clone().requires_grad_()
     copy.grad = grad
-    moving._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
-    plan = moving._Plan.to(CPU)
+    moving.commit._swap_impl(w, copy)  # the commit's swap: `copy` now holds the old C++ tensor
+    plan = moving.plan._Plan.to(CPU)
     plan.tensors, plan.keys, plan.grads = [w], ["w"], {id(w): (w, grad)}
-    plan.runs = [moving._Run(0, 1, None, False, None)]
-    notes = moving._held_elsewhere(plan, [copy], [0])
+    plan.runs = [moving.plan._Run(0, 1, None, False, None)]
+    notes = moving.commit._held_elsewhere(plan, [copy], [0])
     assert notes == [
         "w: moved with .data because an autograd graph or a view holds it; "
         "views of its old storage and autograd graphs that saved it stay behind"
@@ -398,7 +439,7 @@ def test_other_objects_are_left_untouched():
 
 
 def test_a_walk_stops_after_its_limit_and_says_what_it_did_not_walk(monkeypatch):
-    monkeypatch.setattr(moving, "WALK_LIMIT", 1000)
+    monkeypatch.setattr(moving.plan, "WALK_LIMIT", 1000)
     first, last = torch.zeros(1), torch.zeros(1)
     samples = [(first, "a"), *[(i, "label") for i in range(5000)], (last, "z")]
     result = move({"samples": samples, "x": torch.zeros(2)}, ["samples", "x"], META)
@@ -459,14 +500,14 @@ def test_names_missing_from_the_namespace_are_ignored():
 
 def refuse_swaps(monkeypatch, *refused: torch.Tensor) -> None:
     """Make torch refuse to swap `refused` (as a C++ weak reference, or torch < 2.3, would)."""
-    swap = moving._swap_impl
+    swap = moving.commit._swap_impl
 
     def refusing(a, b):
         if any(a is t or b is t for t in refused):
             raise RuntimeError("Expected no weakrefs to t1's Tensor object")
         swap(a, b)
 
-    monkeypatch.setattr(moving, "_swap_impl", refusing)
+    monkeypatch.setattr(moving.commit, "_swap_impl", refusing)
 
 
 def test_a_weakly_referenced_tensor_keeps_its_identity(target):
@@ -617,7 +658,7 @@ def test_the_error_names_the_object_and_its_size():
 @pytest.mark.parametrize("bar", [False, True])  # with a bar, copies are made one at a time
 def test_the_error_names_the_tensor_whose_copy_failed(monkeypatch, bar):
     if bar:
-        monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1)
+        monkeypatch.setattr(moving.copy, "_BAR_MIN_BYTES", 1)
     ns = {"d": {f"t{i}": torch.zeros(4) for i in range(4)}}
     failing = pytest.raises(DeviceMagicError, match=r"move d\['t2'\] \(16 B\)")
     with failing, FailOnAllocation(META, 3):
@@ -714,7 +755,7 @@ def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
     tensors = [torch.full((1,), float(i)) for i in range(BIG)]
     ns = {"big": tensors}
     if when == "commit":  # a signal sent once the commit started: it lands in it or after
-        swap_all = moving._swap_all
+        swap_all = moving.commit._swap_all
 
         def swapping(*args, **kwargs):
             if not armed:
@@ -723,7 +764,8 @@ def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
             return swap_all(*args, **kwargs)
 
         armed: list[threading.Timer] = []
-        monkeypatch.setattr(moving, "_swap_all", swapping)
+        for module in (moving.commit, moving.restoring):  # where it is called
+            monkeypatch.setattr(module, "_swap_all", swapping)
     result = interrupted_move(ns, restorable, delay, when)
     if when == "commit":
         armed[0].join()
@@ -742,13 +784,14 @@ def test_a_sigint_during_a_restore_waits_until_it_ends(monkeypatch):
     tensors = [torch.full((1,), float(i)) for i in range(1000)]
     ns = {"big": tensors}
     result = move(ns, ["big"], META, restorable=True)
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # at once, before the swaps back
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     back = restore(ns, result)  # the caller raises KeyboardInterrupt, once it has this
     assert back.interrupted and back.said == [RESTORE_INTERRUPTED]
     assert all(t.device == CPU for t in tensors)
@@ -762,7 +805,7 @@ def test_a_real_sigint_anywhere_in_a_restore_from_meta_loses_nothing(monkeypatch
     ns = {"big": tensors}
     result = move(ns, ["big"], META, restorable=True)
     timers: list[threading.Timer] = []
-    sigint_on(monkeypatch, moving, "_put_back_originals", delay, timers)
+    sigint_on(monkeypatch, moving.restoring, "_put_back_originals", delay, timers)
     back = None
     try:
         back = restore(ns, result)
@@ -798,13 +841,14 @@ def test_a_users_sigint_handler_gets_a_signal_sent_in_the_commit(
     handler, stops = user_handler
     tensors = [torch.full((1,), float(i)) for i in range(1000)]
     ns = {"big": tensors}
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # lands in the commit
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     try:
         result = move(ns, ["big"], META, restorable=restorable)
     except KeyboardInterrupt:
@@ -1064,6 +1108,164 @@ def test_lbfgs_state_in_lists_follows_its_parameters():
     assert state["d"].device == META and state["prev_flat_grad"].device == META
 
 
+# --- inference mode ---------------------------------------------------------------------
+
+
+def test_a_move_in_inference_mode_makes_the_kind_of_tensor_it_found():
+    model, opt = trained()
+    with torch.inference_mode():
+        made_there = torch.ones(2)
+    ns = {"model": model, "opt": opt, "made_there": made_there}
+    with torch.inference_mode():  # %%nograd --inference around the move
+        moved_all(ns, META)
+    assert not any(p.is_inference() for p in model.parameters())
+    assert not opt.state[model[0].weight]["exp_avg"].is_inference()
+    assert made_there.is_inference() and made_there.device == META
+    model(torch.randn(8, 3, device=META)).sum().backward()  # refused for inference tensors
+    opt.step()
+    assert model[0].weight.grad.device == META
+
+
+# --- tensor subclasses that keep their data in Python attributes --------------------------
+
+
+class Wrapped(torch.Tensor):
+    """A traceable wrapper subclass, as DTensor and NF4 are: its data is `inner`, a tensor
+    in a Python attribute; its C++ tensor holds none."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, dtype=inner.dtype, device=inner.device
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inners, ctx, size, stride):
+        return Wrapped(inners["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = torch.utils._pytree.tree_map_only
+        args, kwargs = unwrap(Wrapped, lambda w: w.inner, (args, kwargs or {}))
+        return unwrap(torch.Tensor, Wrapped, func(*args, **kwargs))
+
+
+def subclassed() -> dict:
+    """One of each kind, each with an attribute of the user's own."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    masked = torch.masked.masked_tensor(torch.arange(3.0), torch.tensor([True, False, True]))
+    ns = {"nested": nested, "masked": masked, "wrapped": Wrapped(torch.arange(3.0))}
+    for name, t in ns.items():
+        t.note = name
+    return ns
+
+
+def data_of(ns: dict) -> dict:
+    """Where each one's data is: the tensors in its Python attributes."""
+    return {
+        "nested": {ns["nested"]._values.device, ns["nested"]._offsets.device},
+        "masked": {ns["masked"].get_data().device, ns["masked"].get_mask().device},
+        "wrapped": {ns["wrapped"].inner.device},
+    }
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")
+def test_subclasses_that_keep_their_data_in_attributes_move_it_and_keep_identity():
+    ns = subclassed()
+    before = dict(ns)
+    result = moved_all(ns, META)
+    assert data_of(ns) == {key: {META} for key in ns}
+    assert all(ns[k] is before[k] and ns[k].device == META for k in ns)
+    assert [t.note for t in ns.values()] == list(ns) and not result.not_followed
+    assert ns["nested"].shape[0] == 2 and (ns["wrapped"] * 2).inner.device == META
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")
+def test_subclasses_moved_to_meta_restorably_come_back_as_the_same_objects():
+    ns = subclassed()
+    before = dict(ns)
+    moved = moved_all(ns, META, restorable=True)
+    assert data_of(ns) == {key: {META} for key in ns}  # the cell sees them on meta: copies
+    assert len(moved.not_followed) == 3
+    assert "nested: a NestedTensor keeps its data in Python attributes" in moved.not_followed[1]
+    restore(ns, moved)
+    assert all(ns[k] is before[k] for k in ns) and data_of(ns) == {key: {CPU} for key in ns}
+    assert torch.equal(ns["wrapped"].inner, torch.arange(3.0))
+
+
+class Tagged(torch.Tensor):
+    """A subclass whose `.to` does not carry what it keeps in an attribute."""
+
+
+def test_a_subclass_whose_own_to_leaves_data_behind_is_refused_in_one_line():
+    t = torch.ones(3).as_subclass(Tagged)
+    t.scale = torch.ones(1)
+    ns = {"t": t, "x": torch.zeros(2)}
+    before = snapshot(ns)
+    with pytest.raises(DeviceMagicError) as err:
+        moved_all(ns, META)
+    assert str(err.value) == (
+        "Could not move t (12 B) to meta: it is a Tagged, which keeps tensors in Python "
+        "attributes, and its own .to left scale on cpu; nothing was moved."
+    )
+    assert_unchanged(ns, before)
+    assert t.device == CPU and t.scale.device == CPU
+
+
+def test_a_copy_failing_with_a_key_error_says_so_in_a_sentence(monkeypatch):
+    # torch's jagged nested tensors look up their offsets in a registry of weak references:
+    # a miss raises KeyError(<weakref at 0x...>), whose message is that weak reference.
+    t = torch.ones(3).as_subclass(Tagged)
+    t.scale = torch.ones(1)
+
+    def to(self, *args, **kwargs):
+        raise KeyError(weakref.ref(self))
+
+    monkeypatch.setattr(Tagged, "to", to)
+    with pytest.raises(DeviceMagicError) as err:
+        move({"t": t}, ["t"], META)
+    assert str(err.value) == (
+        "Could not move t (12 B) to meta: its class's own .to (Tagged.to) failed with a "
+        "KeyError; nothing was moved."
+    )
+
+
+# --- what a move refuses before copying ----------------------------------------------------
+
+
+def test_a_move_out_of_meta_is_refused_before_any_copy(monkeypatch):
+    ns = {"a": torch.ones(3), "z": torch.ones(3, device=META)}
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(args))
+    with FailOnAllocation(CPU, 0) as copies, pytest.raises(DeviceMagicError) as err:
+        move(ns, ["a", "z"], torch.device("cpu"))
+    assert str(err.value) == (
+        "Could not move z (12 B) to cpu: it is on the meta device, which holds no data; "
+        "nothing was moved."
+    )
+    assert copies.count == 0 and collected == []
+
+
+# --- the walk keeps no class alive -----------------------------------------------------------
+
+
+def test_a_class_the_walk_looked_at_is_not_kept_alive():
+    namespace: dict = {}
+    exec("class Thing:\n    pass", namespace)
+    ns = {"thing": namespace["Thing"](), "x": torch.zeros(1)}
+    ref = weakref.ref(namespace["Thing"])
+    moved_all(ns, META)
+    del namespace, ns
+    gc.collect()
+    assert ref() is None
+
+
 # --- reporting ----------------------------------------------------------------------------
 
 
@@ -1082,7 +1284,7 @@ def test_nothing_to_move_says_so():
 
 
 def test_a_big_move_shows_a_progress_bar_that_goes_away(monkeypatch, capsys):
-    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    monkeypatch.setattr(moving.copy, "_BAR_MIN_BYTES", 1024)
     moved_all({"x": torch.zeros(256)}, META)
     err = capsys.readouterr().err
     assert "moving to meta" in err and err.endswith("\r")  # leave=False clears the line
@@ -1098,7 +1300,7 @@ def test_without_ipywidgets_the_bar_is_text_not_a_widget_that_warns(monkeypatch,
     widget.tqdm = notebook_bar
     monkeypatch.setitem(sys.modules, "tqdm.auto", widget)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # cannot be imported
-    monkeypatch.setattr(moving, "_BAR_MIN_BYTES", 1024)
+    monkeypatch.setattr(moving.copy, "_BAR_MIN_BYTES", 1024)
     moved_all({"x": torch.zeros(256)}, META)
     assert "moving to meta" in capsys.readouterr().err
 
@@ -1170,11 +1372,12 @@ def test_every_column_of_a_plan_is_dropped_with_a_tensor_found_again():
     # one added without being declared would keep its entry for each tensor found again.
     t, u = torch.zeros(2), torch.ones(1, requires_grad=True)
     ns = {"a": [t, u, t, t], "b": [u]}
-    for plan in (moving._Plan.to(META), moving._Plan(None, {id(t): META, id(u): META}, {})):
+    planned = moving.plan._Plan
+    for plan in (planned.to(META), planned(None, {id(t): META, id(u): META}, {})):
         plan.walk(ns, ["a", "b"])
         columns = {k: v for k, v in vars(plan).items() if isinstance(v, list) and len(v) == 5}
         assert columns == {}  # 5 found, 2 kept
-        lists = [getattr(plan, k) for k in moving._COLUMNS]
+        lists = [getattr(plan, k) for k in moving.plan._COLUMNS]
         assert [len(c) for c in lists if isinstance(c, list)] == [2] * (2 + (plan.device is None))
         assert plan.requiring_grad == [1] and plan.names == [("a", 0, 2), ("b", 2, 2)]
         assert [plan.where(i) for i in (0, 1)] == [((None, "a", False), 0, False),

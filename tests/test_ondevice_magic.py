@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from faults import FailOnAllocation
@@ -274,6 +276,50 @@ def test_a_ctrl_c_once_the_move_is_done_still_restores(ip, monkeypatch):
     assert ip.user_ns["x"] is x and torch.equal(x, torch.arange(4.0))  # back, with its data
 
 
+@pytest.mark.parametrize("move", [
+    "%%ondevice meta\nout = model(x[:3])\nopt.zero_grad()",
+    "%device meta --move",
+])
+def test_a_move_inside_inference_mode_leaves_tensors_that_train(ip, ns, move):
+    ip.run_cell(f"%%nograd --inference\n{move}")
+    assert ns["model"].weight.device == META and not ns["model"].weight.is_inference()
+    ip.run_cell("opt.zero_grad()\nmodel(torch.ones(2, 3, device='meta')).sum().backward()")
+    ip.run_cell("opt.step()")  # both refuse inference tensors
+    assert ns["model"].weight.grad.device == META
+    assert ns["opt"].state[ns["model"].weight]["exp_avg"].device == META
+
+
+def test_verbose_lists_each_name_with_what_it_holds_counted_once(ip, capsys):
+    # `adam` sorts before `net`: its parameters still count under the model.
+    ip.run_cell(
+        "net = torch.nn.Linear(3, 2)\nadam = torch.optim.Adam(net.parameters())\n"
+        "net(torch.ones(1, 3)).sum().backward()\nadam.step()\nx = torch.ones(4, 3)"
+    )
+    capsys.readouterr()
+    ip.run_cell("%%ondevice meta -v\nadam.zero_grad()\nnet(x).sum().backward()\nadam.step()")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("moved 176 B to meta in ")
+    rows = [line.split(maxsplit=1) for line in out[3:6]]
+    # net: weight and bias and their grads; adam: its moments (`step` stays on the CPU)
+    assert rows == [["net", "64 B"], ["x", "48 B"], ["adam", "64 B"]]
+    assert out[6] == "adam also holds 32 B counted under net"
+
+
+def test_a_move_out_of_meta_is_refused_in_one_line_before_any_copy(ip, ns, monkeypatch):
+    ip.run_cell("z = torch.ones(3, device='meta')")
+    before = state(ip)
+    collected = []  # a failed copy collects garbage to free what it made: 150 ms
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(args))
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%ondevice cpu\nran = True\nz + x[:3]")
+    assert collected == []
+    assert str(err.value) == (
+        "Could not move z (12 B) to cpu: it is on the meta device, which holds no data; "
+        "nothing was moved."
+    )
+    assert "ran" not in ns and state(ip) == before
+
+
 def test_restore_from_meta_gives_back_a_name_the_cell_rebound(ip, capsys):
     images = torch.arange(24.0).reshape(2, 3, 4)
     ip.user_ns["images"] = images
@@ -294,13 +340,13 @@ def test_a_ctrl_c_in_the_restore_from_meta_loses_nothing(ip, monkeypatch, capsys
 
     x = torch.arange(4.0)
     ip.user_ns["x"] = x
-    put_back = moving._put_back_originals
+    put_back = moving.restoring._put_back_originals
 
     def interrupted(*args):
         os.kill(os.getpid(), signal.SIGINT)
         return put_back(*args)
 
-    monkeypatch.setattr(moving, "_put_back_originals", interrupted)
+    monkeypatch.setattr(moving.restoring, "_put_back_originals", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
     assert ip.user_ns["ran"].device == META  # the cell ran
@@ -320,13 +366,14 @@ def test_a_users_sigint_handler_sees_a_ctrl_c_in_the_move_and_the_cell_goes_on(i
         "signal.signal(signal.SIGINT, stop_after_this_epoch)\nx = torch.arange(4.0)"
     )
     handler, x = ip.user_ns["stop_after_this_epoch"], ip.user_ns["x"]
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # lands in the commit, then in the restore
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     try:
         ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
         assert signal.getsignal(signal.SIGINT) is handler

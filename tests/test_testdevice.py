@@ -212,7 +212,7 @@ def test_a_real_sigint_in_a_restore_from_the_device_finishes_it(tdmdev, monkeypa
     ns = {"big": tensors}
     moved = move(ns, ["big"], torch.device(D0), restorable=True)
     timers: list = []
-    sigint_on(monkeypatch, moving, "_copy_all", delay, timers)
+    sigint_on(monkeypatch, moving.commit, "_copy_all", delay, timers)
     back = None
     try:
         back = restore(ns, moved)
@@ -235,13 +235,14 @@ def test_a_users_sigint_handler_gets_a_signal_sent_in_a_restore(tdmdev, monkeypa
     x = torch.arange(1000.0)
     ns = {"x": x}
     moved = move(ns, ["x"], torch.device(D0), restorable=True)
-    swap_all = moving._swap_all
+    swap_all = moving.commit._swap_all
 
     def swapping(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # lands in the restore's commit
         return swap_all(*args, **kwargs)
 
-    monkeypatch.setattr(moving, "_swap_all", swapping)
+    for module in (moving.commit, moving.restoring):  # where it is called
+        monkeypatch.setattr(module, "_swap_all", swapping)
     signal.signal(signal.SIGINT, stop_after_this_epoch)
     try:
         back = restore(ns, moved)
@@ -283,6 +284,55 @@ def test_ondevice_cell_runs_on_the_test_device(tdmdev, ip):
     with tdmdev.memory_limit(512 * 1024), pytest.raises(UsageError, match="out of memory"):
         ip.run_cell_magic("ondevice", "tdmdev:0", "big.sum()")
     assert on(ns["big"]) == {"cpu"}
+
+
+def test_a_view_moved_with_its_base_stays_its_view_there_and_back(tdmdev):
+    data = torch.arange(6.0)
+    first = data[:2]
+    ns = {"data": data, "first": first}
+    for dev in (D0, "cpu"):
+        move(ns, ["data", "first"], torch.device(dev))
+        assert first._base is data and on(data, first) == {dev}
+        assert first.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        w = torch.ones(2, requires_grad=True, device=dev)
+        loss = (w * first).sum()  # saves `first`
+        data.add_(1)  # so the saved `first` is stale: autograd must see it
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    # A graph made before a move between devices of one kind holds the moved data (.data)
+    move(ns, ["data", "first"], torch.device(D0))
+    loss = (torch.ones(2, requires_grad=True, device=D0) * first).sum()
+    move(ns, ["data", "first"], torch.device(D1))
+    assert first._base is data and on(data, first) == {D1}
+    data.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of:UserWarning")
+def test_subclasses_that_keep_their_data_in_attributes_move_it_there_and_back(tdmdev):
+    from test_moving import data_of, subclassed
+
+    ns = subclassed()
+    before = dict(ns)
+    for dev in (D0, "cpu"):
+        move(ns, list(ns), torch.device(dev))
+        assert data_of(ns) == {key: {torch.device(dev)} for key in ns}
+        assert all(ns[k] is before[k] and str(ns[k].device) == dev for k in ns)
+    assert torch.equal(ns["wrapped"].inner, torch.arange(3.0))
+    assert torch.equal(ns["masked"].get_data(), torch.arange(3.0))
+
+
+def test_a_move_in_inference_mode_to_the_device_leaves_a_model_that_trains(tdmdev, ip):
+    ip.run_cell(
+        "model = torch.nn.Linear(3, 2)\nopt = torch.optim.Adam(model.parameters())\n"
+        "x = torch.ones(4, 3)"
+    )
+    ip.run_cell("%%nograd --inference\n%%ondevice tdmdev:0\nout = model(x)\nopt.zero_grad()")
+    ip.run_cell("model(x).sum().backward()\nopt.step()")  # each refuses inference tensors
+    ns = ip.user_ns
+    assert on(ns["model"].weight, ns["opt"].state[ns["model"].weight]["exp_avg"]) == {D0}
+    assert ns["out"].is_inference()  # what the cell made in inference mode stays so
 
 
 # --- the Meter ----------------------------------------------------------------------

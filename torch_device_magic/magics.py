@@ -333,7 +333,16 @@ class TorchDeviceMagics(Magics):
           name or an earlier autograd graph holds a tensor, that one gets
           `.data` (to or from meta: they keep the old tensor, and a backward
           through such a graph fails, saying why); -v lists them. A tensor with
-          an autograd history arrives detached from it.
+          an autograd history arrives detached from it. A view moved with its
+          base stays its view (one storage, one version counter).
+        - Tensor subclasses that keep their data in Python attributes (jagged
+          nested tensors, MaskedTensor, `__tensor_flatten__` wrappers) move
+          through their own `.to`; one whose `.to` leaves data behind is
+          refused in one line. A move in inference mode makes the kind of
+          tensor it found: a model moved under %%nograd --inference trains.
+        - -v counts each tensor's bytes once, under the first name reaching
+          it, names taken alphabetically but optimizers last (a model's
+          parameters count under the model), and says what is shared.
         - The walk looks at up to 100,000 objects other than tensors a name
           and skips objects that raise when read; -v names both. An error or
           Ctrl-C during the move changes nothing.

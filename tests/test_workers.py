@@ -136,6 +136,7 @@ def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_p
         "def nothing(rank):\n"
         "    pass\n"
         "def train(rank, path):\n"
+        "    torch.set_num_threads(1)  # OpenMP used before a fork hangs in the child (libgomp)\n"
         "    dist.init_process_group('gloo', init_method=f'file://{path}', rank=rank, "
         "world_size=2)\n"
         "    t = torch.ones(2**24)  # 64 MiB, on the CPU: the default device was dropped\n"

@@ -386,6 +386,42 @@ def test_a_users_sigint_handler_sees_a_ctrl_c_in_the_move_and_the_cell_goes_on(i
     assert torch.equal(x, torch.arange(4.0))
 
 
+def test_a_users_sigint_handler_that_raises_in_the_move_still_gets_everything_back(
+    ip, monkeypatch
+):
+    """A "save, then stop" handler raises KeyboardInterrupt itself: the move to meta is
+    done by then, and --restore must still bring the data back."""
+    import os
+    import signal
+
+    from torch_device_magic import moving
+
+    ip.run_cell(
+        "import signal\nsaved = []\n"
+        "def save_then_stop(signum, frame):\n"
+        "    saved.append(signum)\n    raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGINT, save_then_stop)\nx = torch.arange(4.0)"
+    )
+    x = ip.user_ns["x"]
+    swap_all = moving.commit._swap_all
+    sent = []
+
+    def swapping(*args, **kwargs):
+        if not sent:  # once, in the move's commit
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
+        return swap_all(*args, **kwargs)
+
+    for module in (moving.commit, moving.restoring):
+        monkeypatch.setattr(module, "_swap_all", swapping)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ip.run_cell_magic("ondevice", "meta --restore", "ran = x.sum()")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert ip.user_ns["saved"] == [signal.SIGINT] and "ran" not in ip.user_ns
+    assert x.device.type == "cpu" and torch.equal(x, torch.arange(4.0))
+
+
 TRAIN_STEP = """\
 batch = torch.ones(4, 3)
 def loss_of(out):

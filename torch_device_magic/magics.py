@@ -363,7 +363,7 @@ class TorchDeviceMagics(Magics):
         - Ctrl-C waits while the commit or the restore runs: "Ctrl-C during
           --restore: it finished first, everything went back". A SIGINT
           handler of your own gets such a Ctrl-C once they are done, and
-          nothing is cancelled.
+          nothing is cancelled; if it raises, --restore still restores.
         - A move of a GiB or more shows a progress bar (text unless ipywidgets
           is installed) that goes away when done.
         """
@@ -383,8 +383,9 @@ class TorchDeviceMagics(Magics):
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
-            if moved.interrupted:  # a Ctrl-C once the move was done: restored below
-                raise KeyboardInterrupt
+            # A Ctrl-C once the move was done goes to the SIGINT handler now, inside the
+            # try: if it raises (Python's does), what moved is restored below.
+            moving.deliver(moved)
             if args.verbose:
                 table = moved.table()
                 table.notes = [*table.notes, *found.notes()]
@@ -410,8 +411,7 @@ class TorchDeviceMagics(Magics):
                         display(back.table())
                     for line in back.said:
                         print(line)
-                    if back.interrupted:  # held back until it was done and shown
-                        raise KeyboardInterrupt
+                    moving.deliver(back)  # held back until it was done and shown
 
     @magic_arguments()
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")

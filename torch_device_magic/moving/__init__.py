@@ -63,6 +63,6 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 
 from .commit import move
 from .restoring import restore
-from .result import MoveResult
+from .result import MoveResult, deliver
 
-__all__ = ["MoveResult", "move", "restore"]
+__all__ = ["MoveResult", "deliver", "move", "restore"]

@@ -120,8 +120,8 @@ def _execute_as_found(
             to=", ".join(sorted(set(map(str, plan.targets)))) if device is None else "",
             counted_under=plan.counted_notes(),
         )
-        if interrupted.raises and interrupted and undo is not None:  # only it can undo this
-            result.interrupted = True
+        if interrupted and undo is not None:  # only it can undo this: the caller delivers
+            result.interrupted = len(interrupted)
             interrupted.clear()
     return result
 

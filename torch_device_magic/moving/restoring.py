@@ -33,9 +33,8 @@ def restore(ns: dict, moved: MoveResult) -> MoveResult:
             result = _execute(plan, ns, None, None, held=True)
         if interrupted:
             result.said.append("Ctrl-C during --restore: it finished first, everything went back")
-            if interrupted.raises:  # the caller raises KeyboardInterrupt, with this result
-                result.interrupted = True
-                interrupted.clear()
+            result.interrupted = len(interrupted)  # the caller delivers, with this result
+            interrupted.clear()
     return result
 
 

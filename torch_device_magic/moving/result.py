@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +24,11 @@ class MoveResult:
     _undo: _Undo | None = field(default=None, repr=False)
     skipped: list[str] = field(default_factory=list)
     restored: int | None = None  # a restore from meta: how many originals were put back
-    # A Ctrl-C that came once a restorable move was done, or during a restore: held back so
-    # that the caller has this result (and can restore, or show it) before it raises
-    # KeyboardInterrupt itself. Only under Python's own handler: a user's gets the signal.
-    interrupted: bool = False
+    # The Ctrl-Cs that came once a restorable move was done, or during a restore: held back
+    # so that the caller has this result (and can restore, or show it) before it hands them
+    # to the SIGINT handler with `deliver`, whichever it is: Python's, or a user's own that
+    # may raise.
+    interrupted: int = 0
     said: list[str] = field(default_factory=list)  # a restore: lines to show even without -v
     to: str = ""  # a restore to several devices: all of them ("cpu, cuda:0")
     # Bytes a name holds that are counted under another (a model's parameters, which its
@@ -65,3 +67,12 @@ class _Undo:
     optimizer_state: list[tuple[torch.optim.Optimizer, dict]] = field(default_factory=list)
     values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     bindings: dict[str, object] = field(default_factory=dict)  # from meta: what each name held
+
+
+def deliver(result: MoveResult) -> None:
+    """Hand the Ctrl-Cs that `result` held back to the SIGINT handler in force, once a
+    press: Python's raises KeyboardInterrupt, a user's own runs (and may raise)."""
+    presses, result.interrupted = result.interrupted, 0
+    handler = signal.getsignal(signal.SIGINT)
+    for _ in range(presses if callable(handler) else 0):
+        handler(signal.SIGINT, None)

@@ -336,6 +336,7 @@ class FakeHistory:
                             raising=False)
         monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record)
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
+        self._queued_before = len(torch.cuda._queued_calls)
         return self
 
     def record(self, enabled: Any = "all", **kwargs: Any) -> None:
@@ -343,9 +344,10 @@ class FakeHistory:
         self.enabled = enabled is not None
 
     def init(self) -> None:
-        """CUDA initialises, as torch.cuda._lazy_init does: the queued calls run."""
+        """CUDA initialises, as torch.cuda._lazy_init does: the queued calls run (those
+        queued since `install`: an earlier test's fake GPUs may have left theirs)."""
         self.initialised = True
-        for call, _ in list(torch.cuda._queued_calls):
+        for call, _ in torch.cuda._queued_calls[self._queued_before:]:
             call()
 
     def alloc(self, size: int, line: int) -> int:

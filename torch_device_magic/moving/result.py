@@ -74,5 +74,6 @@ def deliver(result: MoveResult) -> None:
     press: Python's raises KeyboardInterrupt, a user's own runs (and may raise)."""
     presses, result.interrupted = result.interrupted, 0
     handler = signal.getsignal(signal.SIGINT)
-    for _ in range(presses if callable(handler) else 0):
-        handler(signal.SIGINT, None)
+    if callable(handler):
+        for _ in range(presses):
+            handler(signal.SIGINT, None)

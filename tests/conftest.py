@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -85,6 +86,10 @@ def shell():
     grad, default = torch.is_grad_enabled(), torch_device_magic.probes.torch_default_device()
     yield ip
     torch_device_magic.unload_ipython_extension(ip)
+    # IPython registers every shell's exit operations with atexit, which would keep each
+    # test's shell and namespace alive to the end and gc.collect() once per shell at exit
+    # (minutes, on a heap that large).
+    atexit.unregister(ip.atexit_operations)
     RaisingShell.clear_instance()
     torch.set_grad_enabled(grad)
     torch.set_default_device(default)

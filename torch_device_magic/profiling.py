@@ -699,16 +699,12 @@ class ProfileReport:
             out.insert(0, Table(f"PARTIAL: {self.partial}", [], []))
         if a.lines:
             out.append(self._line_table())
-        head = ["op", "calls", "self CPU", "total CPU"] + (["device"] if device else [])
-        head += ["allocated", "input shapes (most frequent)"]
-        rows = []
-        for r in a.ops:
-            row: list[object] = [r.name, r.calls, fmt_seconds(r.self_cpu_s),
-                                 fmt_seconds(r.total_cpu_s)]
-            if device:
-                row.append(fmt_seconds(r.device_s))
-            row += [fmt_bytes(r.allocated_bytes) if r.allocated_bytes else "-", r.shapes or "-"]
-            rows.append(row)
+        head = _timed(["op", "calls", "self CPU", "total CPU"], "device", device,
+                      ["allocated", "input shapes (most frequent)"])
+        rows = [_timed([r.name, r.calls, fmt_seconds(r.self_cpu_s), fmt_seconds(r.total_cpu_s)],
+                       fmt_seconds(r.device_s), device,
+                       [_bytes(r.allocated_bytes), r.shapes or "-"])
+                for r in a.ops]
         out.append(Table(f"top ops by {_SORT_WORDS[self.sort]}", head, rows))
         if a.kernels:
             out.append(Table(
@@ -723,16 +719,11 @@ class ProfileReport:
     def _line_table(self) -> Table:
         a = self.analysis
         device = a.device_recorded
-        head = ["line", "hits", "wall", "torch CPU"] + (["device"] if device else [])
-        head += ["allocated", "code"]
-        rows = []
-        for r in a.lines:
-            row: list[object] = [r.where, r.hits, fmt_seconds(r.wall_s),
-                                 fmt_seconds(r.cpu_s)]
-            if device:
-                row.append(fmt_seconds(r.device_s))
-            row += [fmt_bytes(r.allocated_bytes) if r.allocated_bytes else "-", _short(r.code)]
-            rows.append(row)
+        head = _timed(["line", "hits", "wall", "torch CPU"], "device", device,
+                      ["allocated", "code"])
+        rows = [_timed([r.where, r.hits, fmt_seconds(r.wall_s), fmt_seconds(r.cpu_s)],
+                       fmt_seconds(r.device_s), device, [_bytes(r.allocated_bytes), _short(r.code)])
+                for r in a.lines]
         notes = []
         slowest = self.slowest_line()
         if slowest is not None and self.wall_s:
@@ -757,6 +748,16 @@ class ProfileReport:
 
 _SORT_WORDS = {"self": "self CPU time", "total": "total CPU time", "device": "device time",
                "memory": "memory allocated"}
+
+
+def _timed(lead: list, device_cell: object, device: bool, rest: list) -> list:
+    """A row (or header) of the op and line tables: the device column only where the
+    device's activity was recorded."""
+    return [*lead, *([device_cell] if device else []), *rest]
+
+
+def _bytes(n: int | None) -> str:
+    return fmt_bytes(n) if n else "-"
 
 
 def _short(text: str, width: int = 60) -> str:

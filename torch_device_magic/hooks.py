@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,8 +88,6 @@ class CellReporter:
         self._printing = False  # the outermost cell's line is printed (decided as it starts)
         self._adopted: Measurement | None = None
         self._profiled = False  # the outermost cell runs under %%profile
-        # the last plain (not profiled) run of each cell's source: (cell, wall_s)
-        self._plain: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
         self._fault: str | None = None  # the line to show instead of the measurement
         self._hint: Callable[[BaseException, str], str | None] | None = None
         self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
@@ -187,19 +184,36 @@ class CellReporter:
             self._adopted = measurement
 
     def mark_profiled(self) -> None:
-        """Say '(profiled)' in this cell's line (from %%profile), and do not take its time
-        for a plain run's."""
+        """Say '(profiled)' in this cell's line (from %%profile)."""
         if len(self._open) == 1:
             self._profiled = True
 
     def plain_run(self, source: str) -> tuple[float | None, str | None]:
-        """The wall time of the last plain run of a cell whose code is `source`, and which
-        cell that was ('In[4]'); (None, None) where none is known."""
-        known = self._plain.get(source.strip())
-        if known is None:
+        """The wall time of the last warm plain run of `source`'s code, and which cell that
+        was ('In[4]'); (None, why not) where the only run known is the code's first, which
+        pays one-time costs; (None, None) where none is known.
+
+        Found only when asked (by %%profile), from the history's cell numbers and the
+        shell's raw inputs, comparing code without blank lines and trailing whitespace
+        (IPython blanks a cell magic's whitespace-only lines). A cell run under a magic
+        (%%profile, %%gpumem) has other text, so it is never taken."""
+        inputs = getattr(getattr(self._shell, "history_manager", None), "input_hist_raw", None)
+        if not inputs:
             return None, None
-        cell, wall_s = known
-        return wall_s, f"In[{cell}]" if cell is not None else "an earlier cell"
+        code = _code(source)
+        cold = None
+        for record in reversed(self.history.records()):
+            n = record.cell
+            if n is None or not 0 < n < len(inputs) or _code(inputs[n]) != code:
+                continue
+            if any(_code(earlier) == code for earlier in inputs[1:n]):
+                return record.wall_s, f"In[{n}]"
+            cold = cold or n
+        if cold is None:
+            return None, None
+        return None, (f"no plain run to compare with: In[{cold}] was this code's first run, "
+                      "with one-time costs (run the cell again without %%profile, or "
+                      "--warmup 1)")
 
     def pre_run_cell(self, info: object) -> None:
         self._loading = None  # a cell of its own: we were loaded outside a cell
@@ -258,7 +272,7 @@ class CellReporter:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
-                self._record(measured, result.execution_count, info)
+                self._record(measured, result.execution_count)
         except Exception as err:
             _log.debug("recording the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
@@ -288,7 +302,7 @@ class CellReporter:
         try:
             self._printing, self._line_open = self._prints(), False
             self._record(Measurement(wall_s, host_delta_bytes=delta, host_peak_bytes=peak),
-                         result.execution_count, result.info)
+                         result.execution_count)
         except Exception:
             _log.debug("the loading cell's line failed", exc_info=True)
 
@@ -303,19 +317,11 @@ class CellReporter:
         if text:
             print(text)
 
-    def _record(self, measured: Measurement, cell: int | None, info: object) -> None:
+    def _record(self, measured: Measurement, cell: int | None) -> None:
         adopted, self._adopted = self._adopted, None
         record = adopted or measured
         record.cell = cell
         self.history.append(record)
-        if adopted is None and not self._profiled:
-            source = getattr(info, "raw_cell", None)
-            if source:  # for %%profile's overview: what the same code took unprofiled
-                plain, key = self._plain, source.strip()
-                plain[key] = (cell, record.wall_s)
-                plain.move_to_end(key)
-                if len(plain) > self.history.maxlen:
-                    plain.popitem(last=False)
         if adopted is None and self.shows(record):
             self._show(record)
 
@@ -385,6 +391,11 @@ class CellReporter:
             stream.write = write
         else:
             del stream.write
+
+
+def _code(source: str) -> str:
+    """A cell's code for comparison: no blank lines, no trailing whitespace."""
+    return "\n".join(line.rstrip() for line in source.splitlines() if line.strip())
 
 
 def _describe(err: BaseException) -> str:

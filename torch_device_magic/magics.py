@@ -683,6 +683,9 @@ class TorchDeviceMagics(Magics):
               "labelled by line: from the CUDA allocator's history where the cell used CUDA "
               "(its snapshot saved for pytorch.org/memory_viz), else from the profiler's "
               "memory events")
+    @argument("--threads", action="store_true",
+              help="also record the ops of the threads the cell starts (every thread; this "
+              "torch then records no memory allocations)")
     @argument("-f", dest="functions", action="append", default=[], metavar="NAME",
               help="also give the lines of this function (defined elsewhere: a notebook "
               "function, a method, a module's forward); repeatable")
@@ -719,9 +722,12 @@ class TorchDeviceMagics(Magics):
         profiler's memory events.
 
         Cost: the profiler adds a few µs to every op and each traced line a few
-        more; the overview compares with a plain run of the same code where one
-        is known (the last warm-up, else the per-cell report's last run of a
-        cell with exactly this code) and the per-cell line says "(profiled)".
+        more; the overview compares with a warm plain run of the same code where
+        one is known (the last warm-up, else the last run of a cell with this
+        code that ran before, blank lines and trailing spaces aside) and the
+        per-cell line says "(profiled)". Ops of threads the cell starts are
+        recorded with `--threads` (every thread; torch 2.13 then records no
+        memory allocations), else the overview says the cell started threads.
         CUDA is recorded only where it was already up when recording began (a
         warm-up that starts it counts): %%profile never starts it. Where the
         device's activity could not be recorded (CUPTI missing or refused) the
@@ -733,7 +739,8 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         args = parse(self.profile, line)
         options = profiling.Options(
-            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory
+            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory,
+            threads=args.threads,
         )
         options.check()
         profiling.refuse_if_recording(self._profiling)

@@ -45,6 +45,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +85,7 @@ class Options:
     top: int = 10
     trace: str | None = None
     memory: bool = False  # the memory timeline (memtimeline)
+    threads: bool = False  # record every thread (the threads the cell starts), not memory
     lines: bool = True  # the line table (off only to measure its cost)
 
     def check(self) -> None:
@@ -95,6 +97,11 @@ class Options:
             )
         if self.top < 1:
             raise DeviceMagicError("%%profile --top needs 1 or more")
+        if self.threads and _ALL_THREADS is None:
+            raise DeviceMagicError(
+                f"%%profile --threads: torch {torch.__version__} cannot record other threads "
+                "(its profiler has no profile_all_threads)"
+            )
         if self.trace is not None and not self.trace.strip():
             raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
 
@@ -501,6 +508,8 @@ class LineTracer:
         self.names: dict[str, tuple[str, str]] = {}
         self._keys: dict[tuple[str, int], str] = {}
         self._previous: Any = None
+        self._previous_threads: Any = None
+        self._started: list[int] = []  # one entry per thread started while tracing
         self._range = _range_type()
 
     def _name(self, code: CodeType, lineno: int) -> str:
@@ -528,9 +537,10 @@ class LineTracer:
             if event == "line":
                 if opened:
                     opened.pop().__exit__(None, None, None)
-                span = enter(name_of(frame.f_code, frame.f_lineno))
-                span.__enter__()
-                opened.append(span)
+                if frame.f_lineno:  # not the line 0 of an empty body (a one-expression cell)
+                    span = enter(name_of(frame.f_code, frame.f_lineno))
+                    span.__enter__()
+                    opened.append(span)
             elif event == "return" and opened:
                 opened.pop().__exit__(None, None, None)
             return local
@@ -539,11 +549,26 @@ class LineTracer:
 
     def start(self) -> None:
         self._previous = sys.gettrace()
+        self._previous_threads = threading.gettrace()
         sys.settrace(self._call)
+        threading.settrace(self._thread)
 
     def stop(self) -> None:
         sys.settrace(self._previous)
-        self._previous = None
+        threading.settrace(self._previous_threads)  # type: ignore[arg-type]  # None is fine
+        self._previous = self._previous_threads = None
+
+    def _thread(self, frame: FrameType, event: str, arg: Any) -> Any:
+        """A thread the cell started, at its first call: counted (for the overview's note),
+        then handed to whatever traced threads before, so it is not traced by us."""
+        self._started.append(1)  # list.append: atomic, whatever thread runs this
+        previous = self._previous_threads
+        sys.settrace(previous)
+        return previous(frame, event, arg) if previous is not None else None
+
+    @property
+    def threads_started(self) -> int:
+        return len(self._started)
 
 
 def _range_type() -> Callable[[str], Any]:
@@ -705,7 +730,8 @@ class ProfileReport:
                        fmt_seconds(r.device_s), device,
                        [_bytes(r.allocated_bytes), r.shapes or "-"])
                 for r in a.ops]
-        out.append(Table(f"top ops by {_SORT_WORDS[self.sort]}", head, rows))
+        sort = "self" if self.sort == "device" and not device else self.sort  # as sorted
+        out.append(Table(f"top ops by {_SORT_WORDS[sort]}", head, rows))
         if a.kernels:
             out.append(Table(
                 "top kernels by device time", ["kernel", "calls", "device", "launched by"],
@@ -776,8 +802,8 @@ class Capture:
     label: str
     options: Options = field(default_factory=Options)
     functions: Sequence[tuple[Any, str]] = ()  # -f: (function, its label)
-    plain_wall_s: float | None = None
-    plain_from: str | None = None
+    plain_wall_s: float | None = None  # a plain run of the same code, where one is known
+    plain_from: str | None = None  # where that figure comes from; without one, why none
     source: str = ""  # the cell's code, for the memory timeline's labels
 
     def __call__(
@@ -797,7 +823,7 @@ class Capture:
                 self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
         heard: list[str] = []
-        prof = _profiler(cuda)
+        prof = _profiler(cuda, opts.threads)
         tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
         meter = Meter(sync=True)
         value = measured = recorder = None
@@ -813,17 +839,18 @@ class Capture:
             try:
                 prof.add_metadata_json("distributedInfo", json.dumps(
                     {"backend": "none", "rank": 0, "world_size": 1}))
-                meter.start()
-                if tracer is not None:
-                    tracer.start()
-                try:
-                    with _memory(self.cell_file, opts.memory) as recorder:
+                # --memory's setup (its first import) and its snapshot stay out of the wall
+                with _memory(self.cell_file, opts.memory) as recorder:
+                    meter.start()
+                    if tracer is not None:
+                        tracer.start()
+                    try:
                         for _ in range(opts.runs):
                             value = self.run()
-                finally:
-                    if tracer is not None:
-                        tracer.stop()
-                measured = meter.stop()
+                    finally:
+                        if tracer is not None:
+                            tracer.stop()
+                    measured = meter.stop()
             except BaseException as err:
                 prof.stop()
                 meter.close()
@@ -859,6 +886,9 @@ class Capture:
                          "activity is not in this profile (run the cell again, or --warmup 1)")
         if opts.sort == "device" and not analysis.device_recorded:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
+        notes.extend(_thread_notes(events, tracer, opts.threads))
+        if self.plain_wall_s is None and self.plain_from and partial is None:
+            notes.append(self.plain_from)
         wall = measured.wall_s if measured is not None else max(
             (e.end_ns for e in events), default=0) / 1e9
         trace = self._write_trace(prof, notes)
@@ -870,7 +900,7 @@ class Capture:
         return ProfileReport(
             label=self.label, runs=opts.runs, wall_s=wall, measurement=measured,
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
-            plain_from=self.plain_from, partial=why, notes=notes, profiler=prof, sort=opts.sort,
+            plain_from=self.plain_from if self.plain_wall_s else None, partial=why, notes=notes, profiler=prof, sort=opts.sort,
             timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
         )
 
@@ -912,6 +942,22 @@ class Capture:
         return path
 
 
+def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool) -> list[str]:
+    """What the profile lacks for threads: their ops (without --threads), or memory (with)."""
+    if threads:
+        if any(e.kind == "memory" for e in events):
+            return []
+        return ["--threads: this torch records no memory allocations when it records every "
+                "thread (pytorch issue 166121)"]
+    started = tracer.threads_started if tracer is not None else 0
+    if not started:
+        return []
+    how = ("--threads records them, without memory allocations" if _ALL_THREADS is not None
+           else "this torch cannot record them: its profiler has no profile_all_threads")
+    return [f"the cell started {plural(started, 'thread')}: their ops are not in this "
+            f"profile ({how})"]
+
+
 def _device_notes(
     analysis: Analysis, events: list[Event], heard: list[str], cuda: bool
 ) -> list[str]:
@@ -948,12 +994,28 @@ def _sync() -> None:
         accel.synchronize()
 
 
-def _profiler(cuda: bool) -> Any:
-    """torch's profiler, recording CUDA only where asked."""
+def _profiler(cuda: bool, threads: bool = False) -> Any:
+    """torch's profiler, recording CUDA only where asked, and every thread of the process
+    with `threads` (else the cell's own thread, and autograd's for its backward)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    return profile(activities=activities, record_shapes=True, profile_memory=True)
+    extra = {"experimental_config": _ALL_THREADS} if threads else {}
+    return profile(activities=activities, record_shapes=True, profile_memory=True, **extra)
+
+
+def _all_threads_config() -> Any:
+    """torch's experimental config that records every thread; None where it has none.
+
+    In torch 2.13 a profiler so configured records no memory events at all (pytorch
+    issue 166121), so it is used only where asked (`--threads`)."""
+    try:
+        return torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # an older torch: the option is not there
+        return None
+
+
+_ALL_THREADS = _all_threads_config()
 
 
 def _start(prof: Any, heard: list[str]) -> None:

@@ -1,0 +1,196 @@
+"""%%profile: what it records and to which line, and the plain run it compares with.
+
+Cells run with `store_history=True` where the plain run matters: %%profile finds
+that run from the history's cell numbers and the shell's inputs, as in a notebook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic import memtimeline, profiling
+
+THREADS = """import threading
+def work():
+    a = torch.randn(30, 30)
+    for _ in range(20):
+        (a @ a).sum()
+workers = [threading.Thread(target=work) for _ in range(2)]
+for t in workers:
+    t.start()
+for t in workers:
+    t.join()
+done = True"""
+
+
+def run(ip, cell: str):
+    return ip.run_cell(cell, store_history=True)
+
+
+def reporter(ip):
+    return ip.magics_manager.registry["TorchDeviceMagics"].reporter
+
+
+# --- threads the cell starts (issue 20, point 2) -------------------------------------------
+
+
+def test_threads_records_the_ops_of_the_threads_the_cell_starts(ip):
+    report = ip.run_cell(f"%%profile -o --threads\n{THREADS}").result
+    calls = {r.name: r.calls for r in report.ops}
+    assert calls["aten::mm"] == 40 and calls["aten::sum"] >= 40  # 2 threads x 20 each
+    assert report.analysis.op_calls >= 80
+    # each op goes to the cell's line running when it started: the threads' own lines
+    # are not traced, and their work happened while the cell started and joined them
+    lines = {r.code: r for r in report.lines}
+    waited = lines["t.join()"].cpu_s + lines["t.start()"].cpu_s
+    assert waited > 0 and sum(r.cpu_s for r in report.lines) == pytest.approx(
+        sum(r.self_cpu_s for r in report.ops), rel=1e-6)
+    assert ip.user_ns["done"] is True
+    if not any(e.kind == "memory" for e in profiling.from_kineto(
+            report.profiler.profiler.kineto_results)):
+        assert any("--threads: this torch records no memory" in n for n in report.notes)
+
+
+def test_without_threads_the_overview_says_the_cell_started_threads(ip, capsys):
+    ip.run_cell(f"%%profile\n{THREADS}")
+    out = capsys.readouterr().out
+    assert "the cell started 2 threads: their ops are not in this profile" in out
+    assert "--threads records them" in out
+    ip.run_cell("%%profile\ny = torch.ones(3) + 1")
+    assert "started" not in capsys.readouterr().out  # no thread, no note
+
+
+def test_threads_where_torch_cannot_record_them_is_one_sentence(ip, capsys, monkeypatch):
+    monkeypatch.setattr(profiling, "_ALL_THREADS", None)  # an older torch
+    with pytest.raises(UsageError, match="cannot record other threads"):
+        ip.run_cell("%%profile --threads\nran = True")
+    assert "ran" not in ip.user_ns
+    ip.run_cell(f"%%profile\n{THREADS}")
+    assert "this torch cannot record them" in capsys.readouterr().out
+
+
+def test_the_thread_count_hands_threads_to_a_trace_hook_already_there(ip):
+    import threading
+
+    seen = []
+
+    def users_hook(frame, event, arg):
+        seen.append(event)
+
+    threading.settrace(users_hook)
+    try:
+        ip.run_cell(f"%%profile\n{THREADS}")
+        assert threading.gettrace() is users_hook
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    assert seen.count("call") >= 2  # each started thread still reached the user's hook
+
+
+# --- a one-expression cell (point 7) ----------------------------------------------------
+
+
+def test_a_one_expression_cell_has_one_row_and_no_line_0(ip):
+    ip.run_cell("model = torch.nn.Linear(4, 4)\nx = torch.randn(2, 4)")
+    report = ip.run_cell("%%profile -o\nmodel(x)").result
+    assert [r.where for r in report.lines] == ["1"]
+    assert report.lines[0].code == "model(x)"
+
+
+# --- the plain run it compares with (points 23, 24; the per-cell source map) -----------
+
+
+LOOP = "total = 0\nfor i in range(3):\n    total += i\n    \ny = torch.ones(8) * total"
+
+
+def test_the_plain_run_is_found_though_whitespace_only_lines_differ(ip, capsys):
+    run(ip, LOOP)  # the stored cell keeps its whitespace-only line
+    plain = run(ip, LOOP + "   \n").execution_count  # and trailing spaces
+    capsys.readouterr()
+    run(ip, f"%%profile\n{LOOP}")  # IPython empties it in the magic's body
+    out = capsys.readouterr().out
+    assert f"x the plain run (" in out and f", In[{plain}])" in out
+
+
+def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
+    first = run(ip, LOOP).execution_count
+    capsys.readouterr()
+    run(ip, f"%%profile\n{LOOP}")
+    out = capsys.readouterr().out
+    assert "the plain run" not in out
+    assert f"In[{first}] was this code's first run" in out and "--warmup 1" in out
+    warm = run(ip, LOOP).execution_count  # the same code again: warm
+    capsys.readouterr()
+    report = run(ip, f"%%profile -o\n{LOOP}").result
+    assert report.plain_from == f"In[{warm}]" and report.plain_wall_s is not None
+    assert not any("first run" in n for n in report.notes)
+
+
+def test_a_profiled_run_is_not_taken_as_the_plain_run(ip):
+    run(ip, f"%%profile\n{LOOP}")
+    run(ip, f"%%profile\n{LOOP}")
+    report = run(ip, f"%%profile -o\n{LOOP}").result
+    assert report.plain_wall_s is None and report.plain_from is None
+
+
+def test_the_report_keeps_no_cell_source(ip):
+    marker = "'kept-nowhere-" + "x" * 40 + "'"
+    run(ip, f"s = {marker}")
+    run(ip, "del s")
+
+    def holds(obj, depth=0) -> bool:
+        if isinstance(obj, str):
+            return marker in obj
+        if depth > 2:
+            return False
+        if isinstance(obj, dict):
+            return any(holds(k, depth + 1) or holds(v, depth + 1) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return any(holds(v, depth + 1) for v in obj)
+        return False
+
+    assert not holds(vars(reporter(ip)))
+
+
+# --- one-time costs out of the wall (point 24) -----------------------------------------
+
+
+def test_the_memory_recording_is_set_up_and_taken_outside_the_wall(ip, monkeypatch):
+    order = []
+    real_recording = memtimeline.recording
+
+    @contextlib.contextmanager
+    def recording(cell_filename):
+        order.append("memory set up")
+        with real_recording(cell_filename) as rec:
+            yield rec
+        order.append("memory taken")
+
+    class Meter(profiling.Meter):
+        def start(self):
+            order.append("wall starts")
+            return super().start()
+
+        def stop(self):
+            order.append("wall ends")
+            return super().stop()
+
+    monkeypatch.setattr(memtimeline, "recording", recording)
+    monkeypatch.setattr(profiling, "Meter", Meter)
+    ip.run_cell("%%profile --memory\nbig = torch.ones(1000, 1000)")
+    assert order == ["memory set up", "wall starts", "wall ends", "memory taken"]
+    assert ip.user_ns["big"].shape == (1000, 1000)
+
+
+# --- the op table's title (issue 23, point 5) ------------------------------------------
+
+
+def test_sort_device_without_device_activity_titles_the_table_as_sorted(ip, capsys):
+    ip.run_cell(f"%%profile --sort device\ny = torch.randn(50, 50) @ torch.randn(50, 50)")
+    out = capsys.readouterr().out
+    assert "no device activity was recorded, so by self CPU time" in out
+    assert "top ops by self CPU time" in out and "top ops by device time" not in out
+    assert torch.is_grad_enabled()

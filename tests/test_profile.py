@@ -185,13 +185,13 @@ def test_the_profile_keeps_no_tensor_of_the_cell_alive(ip, output):
 
 
 def test_the_report_line_says_profiled_and_the_overview_compares_with_a_plain_run(ip, capsys):
-    ip.run_cell("y = torch.ones(3) + 1")
+    for _ in range(2):  # the second run is warm (test_profile_coverage: the first is not)
+        ip.run_cell("y = torch.ones(3) + 1", store_history=True)
     capsys.readouterr()
-    ip.run_cell("%%profile\ny = torch.ones(3) + 1")
+    ip.run_cell("%%profile\ny = torch.ones(3) + 1", store_history=True)
     out = capsys.readouterr().out
     assert "(profiled) |" in out.splitlines()[-1]  # the per-cell line, after the profile
-    assert "x the plain run (" in out
-    assert ", In[" in out or ", an earlier cell)" in out  # IPython 7 numbers no test cells
+    assert "x the plain run (" in out and ", In[" in out
 
 
 def test_on_a_gpu_without_recorded_activity_there_is_one_line_and_no_device_column(

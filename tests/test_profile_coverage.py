@@ -112,7 +112,7 @@ def test_the_plain_run_is_found_though_whitespace_only_lines_differ(ip, capsys):
     capsys.readouterr()
     run(ip, f"%%profile\n{LOOP}")  # IPython empties it in the magic's body
     out = capsys.readouterr().out
-    assert f"x the plain run (" in out and f", In[{plain}])" in out
+    assert "x the plain run (" in out and f", In[{plain}])" in out
 
 
 def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
@@ -189,7 +189,7 @@ def test_the_memory_recording_is_set_up_and_taken_outside_the_wall(ip, monkeypat
 
 
 def test_sort_device_without_device_activity_titles_the_table_as_sorted(ip, capsys):
-    ip.run_cell(f"%%profile --sort device\ny = torch.randn(50, 50) @ torch.randn(50, 50)")
+    ip.run_cell("%%profile --sort device\ny = torch.randn(50, 50) @ torch.randn(50, 50)")
     out = capsys.readouterr().out
     assert "no device activity was recorded, so by self CPU time" in out
     assert "top ops by self CPU time" in out and "top ops by device time" not in out

@@ -555,7 +555,7 @@ class LineTracer:
 
     def stop(self) -> None:
         sys.settrace(self._previous)
-        threading.settrace(self._previous_threads)  # type: ignore[arg-type]  # None is fine
+        threading.settrace(self._previous_threads)
         self._previous = self._previous_threads = None
 
     def _thread(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -900,7 +900,8 @@ class Capture:
         return ProfileReport(
             label=self.label, runs=opts.runs, wall_s=wall, measurement=measured,
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
-            plain_from=self.plain_from if self.plain_wall_s else None, partial=why, notes=notes, profiler=prof, sort=opts.sort,
+            plain_from=self.plain_from if self.plain_wall_s else None, partial=why,
+            notes=notes, profiler=prof, sort=opts.sort,
             timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
         )
 

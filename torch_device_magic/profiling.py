@@ -14,8 +14,11 @@ functions `-f` names) opens a `record_function` range for each line as it
 starts and closes it when the next line starts or the frame returns. The
 ranges nest as the frames do, so the innermost range open at any moment is the
 innermost line of the cell running then; an event (an op, an allocation,
-backward work on another thread) goes to the line whose range was innermost
-when it started, a kernel to the line of the op that launched it. The ranges
+backward work on another thread, with `--threads` an op of a thread the cell
+started) goes to the line whose range was innermost when it started, a kernel
+to the line of the op that launched it. The tracer also counts the threads the
+cell starts (`threading.settrace`, once a thread), so that without `--threads`
+the overview says their ops are missing. The ranges
 are in the trace too, named by their line. A traced line costs a few µs
 (`bench/bench_profile.py` measures it); frames of other code pay one call of
 the tracer each.

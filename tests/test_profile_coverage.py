@@ -129,6 +129,13 @@ def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
     assert not any("first run" in n for n in report.notes)
 
 
+def test_a_plain_run_after_a_profiled_run_of_the_same_code_is_warm(ip):
+    run(ip, f"%%profile\n{LOOP}")
+    plain = run(ip, LOOP).execution_count
+    report = run(ip, f"%%profile -o\n{LOOP}").result
+    assert report.plain_from == f"In[{plain}]" and report.plain_wall_s is not None
+
+
 def test_a_profiled_run_is_not_taken_as_the_plain_run(ip):
     run(ip, f"%%profile\n{LOOP}")
     run(ip, f"%%profile\n{LOOP}")

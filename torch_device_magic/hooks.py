@@ -190,8 +190,9 @@ class CellReporter:
 
     def plain_run(self, source: str) -> tuple[float | None, str | None]:
         """The wall time of the last warm plain run of `source`'s code, and which cell that
-        was ('In[4]'); (None, why not) where the only run known is the code's first, which
-        pays one-time costs; (None, None) where none is known.
+        was ('In[4]'); (None, why not) where the only run known is the code's first (no
+        earlier cell ran it, plainly or under a cell magic), which pays one-time costs;
+        (None, None) where none is known.
 
         Found only when asked (by %%profile), from the history's cell numbers and the
         shell's raw inputs, comparing code without blank lines and trailing whitespace
@@ -206,7 +207,7 @@ class CellReporter:
             n = record.cell
             if n is None or not 0 < n < len(inputs) or _code(inputs[n]) != code:
                 continue
-            if any(_code(earlier) == code for earlier in inputs[1:n]):
+            if any(_ran(earlier, code) for earlier in inputs[1:n]):
                 return record.wall_s, f"In[{n}]"
             cold = cold or n
         if cold is None:
@@ -396,6 +397,13 @@ class CellReporter:
 def _code(source: str) -> str:
     """A cell's code for comparison: no blank lines, no trailing whitespace."""
     return "\n".join(line.rstrip() for line in source.splitlines() if line.strip())
+
+
+def _ran(source: str, code: str) -> bool:
+    """Whether a cell ran `code`: as it is, or as a cell magic's body (%%profile, %%time)."""
+    if source.startswith("%%"):
+        source = source.partition("\n")[2]
+    return _code(source) == code
 
 
 def _describe(err: BaseException) -> str:

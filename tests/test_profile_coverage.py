@@ -85,6 +85,9 @@ def test_the_thread_count_hands_threads_to_a_trace_hook_already_there(ip):
     try:
         ip.run_cell(f"%%profile\n{THREADS}")
         assert threading.gettrace() is users_hook
+        with pytest.raises(ValueError):  # a cell that raises puts it back too
+            ip.run_cell("%%profile\nraise ValueError('no')")
+        assert threading.gettrace() is users_hook
     finally:
         threading.settrace(None)  # type: ignore[arg-type]
     assert seen.count("call") >= 2  # each started thread still reached the user's hook

@@ -132,6 +132,17 @@ def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
     assert not any("first run" in n for n in report.notes)
 
 
+def test_a_single_warm_up_of_new_code_is_not_taken_as_the_plain_run(ip):
+    report = run(ip, "%%profile -o --warmup 1\nnew = torch.ones(4) * 3").result
+    assert report.plain_wall_s is None
+    assert any("the one warm-up may have been this code's first run" in n for n in report.notes)
+    report = run(ip, "%%profile -o --warmup 2\nnew = torch.ones(4) * 3").result
+    assert report.plain_from == "the last warm-up" and report.plain_wall_s is not None
+    run(ip, LOOP)  # a run before it: one warm-up is then warm
+    report = run(ip, f"%%profile -o --warmup 1\n{LOOP}").result
+    assert report.plain_from == "the last warm-up" and report.plain_wall_s is not None
+
+
 def test_a_plain_run_after_a_profiled_run_of_the_same_code_is_warm(ip):
     run(ip, f"%%profile\n{LOOP}")
     plain = run(ip, LOOP).execution_count

@@ -823,7 +823,11 @@ class Capture:
             self.run()
             if i == opts.warmup - 1:  # the best plain figure: just now, same code
                 _sync()
-                self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
+                if i or self.plain_from is not None:  # warm: a run of this code came before
+                    self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
+                else:  # maybe the code's first run, whose one-time costs would mislead
+                    self.plain_from = ("no plain run to compare with: the one warm-up may have "
+                                       "been this code's first run (--warmup 2 compares)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
         heard: list[str] = []
         prof = _profiler(cuda, opts.threads)

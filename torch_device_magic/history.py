@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -145,6 +146,15 @@ class History:
         fig.tight_layout()
         plt.close(fig)  # shown once, by whoever displays it, not again by the inline backend
         return fig
+
+
+def save_plot(figure: Any) -> str:
+    """Write `figure` to a new PNG file in the temporary folder; return its path (for a
+    terminal, which would print only the figure's repr)."""
+    fd, path = tempfile.mkstemp(prefix="tdm-devhistory-", suffix=".png")
+    with os.fdopen(fd, "wb") as f:
+        figure.savefig(f, format="png")
+    return path
 
 
 def _or_nan(value: float | None) -> float:

@@ -27,6 +27,7 @@ from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
 from .gpufree import free_memory
+from .history import save_plot
 from .hooks import CellReporter
 from .namespace import scan
 from .session import Session
@@ -761,7 +762,8 @@ class TorchDeviceMagics(Magics):
     @argument("-o", dest="output", action="store_true", help="return the records")
     @argument("--csv", metavar="PATH", help="write the records to a CSV file (~ is your home; "
               'a path with spaces goes in quotes: --csv "my cells.csv")')
-    @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib)")
+    @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib); a "
+              "terminal that shows no images gets a PNG file, and its path")
     @line_magic
     @user_errors
     def devhistory(self, line: str) -> Any:
@@ -773,14 +775,21 @@ class TorchDeviceMagics(Magics):
         Records carry the `%%gpumem -o` fields plus `cell`; the last 1000
         measured cells are kept. Under the table: the session peak per device
         (the most allocated in any kept cell), since the report resets torch's
-        process-wide peak counter before each cell. `--plot` needs matplotlib.
+        process-wide peak counter before each cell. `--plot` needs matplotlib;
+        in a terminal that shows no images it saves a PNG in the temporary
+        folder and prints its path. Columns that no kept cell has (the device's,
+        on a CPU machine) are left out.
         """
         args = parse(self.devhistory, line)
         history = self.reporter.history
         if args.csv is not None:
             print(f"wrote {history.write_csv(args.csv)} records to {args.csv}")
         if args.plot:
-            display(history.plot())
+            figure = history.plot()
+            if "image/png" in self.shell.display_formatter.active_types:
+                display(figure)
+            else:  # a terminal that shows no images would print only `<Figure size ...>`
+                print(f"this terminal shows no images: the plot is in {save_plot(figure)}")
         if args.output:
             return history.records()
         if not (args.csv is not None or args.plot):

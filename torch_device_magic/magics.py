@@ -802,7 +802,8 @@ class TorchDeviceMagics(Magics):
             print(f"wrote {history.write_csv(args.csv)} records to {args.csv}")
         if args.plot:
             figure = history.plot()
-            if "image/png" in self.shell.display_formatter.active_types:
+            formatter = self.shell.display_formatter
+            if formatter is not None and "image/png" in formatter.active_types:
                 display(figure)
             else:  # a terminal that shows no images would print only `<Figure size ...>`
                 print(f"this terminal shows no images: the plot is in {save_plot(figure)}")

@@ -46,3 +46,14 @@ def test_nograd_inference_on_as_a_line_is_refused_saying_why_and_changes_nothing
                                          r"for one cell \(%%nograd --inference\)"):
         ip.run_cell("%nograd --inference on")
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_gpumem_on_meta_is_refused_in_one_sentence_and_runs_nothing(ip):
+    with pytest.raises(UsageError, match=r"^%%gpumem --device meta: meta tensors hold no memory"):
+        ip.run_cell("%%gpumem --device meta\nran = True")
+    assert "ran" not in ip.user_ns
+
+
+def test_gpumem_on_the_cpu_measures_host_memory(ip):
+    report = ip.run_cell("%%gpumem --device cpu -o\nran = True").result
+    assert ip.user_ns["ran"] and report.device is None and report.host_peak_bytes is not None

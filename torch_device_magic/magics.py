@@ -303,13 +303,14 @@ class TorchDeviceMagics(Magics):
         """Run a cell on a device, moving there what the cell uses, with nothing lost.
 
         In [1]: %%ondevice cuda -v
-           ...: loss = train_one_epoch(model, opt, batch)
-        moved 44.7 MiB to cuda:0 in 9.8 ms
-        name   bytes
+           ...: loss = train_step(model, opt, batch)
+        moved 66.3 MiB to cuda:0 in 9.8 ms
+        name      bytes
         -----  --------
-        batch  1.2 MiB
+        batch   1.2 MiB
         model  21.7 MiB
-        opt    21.7 MiB
+        opt    43.4 MiB
+        opt also holds 21.7 MiB counted under model
 
         The tensors, Parameters, modules, optimizers (their state too) and
         containers of them (list, tuple, dict, namedtuple, dataclass) that the
@@ -644,8 +645,9 @@ class TorchDeviceMagics(Magics):
               "device_s, device_delta_bytes, device_peak_bytes, device_reserved_delta_bytes, "
               "host_delta_bytes, host_peak_bytes; None where not measured)")
     @argument("-q", dest="quiet", action="store_true", help="do not display the report")
-    @argument("--device", help="the accelerator to measure, one this machine has (default: "
-              "the session device if it is one, else the current device of the runtime in use)")
+    @argument("--device", help="the accelerator to measure, one this machine has, or cpu "
+              "for host memory only (default: the session device if it is an accelerator, "
+              "else the current device of the runtime in use)")
     @line_cell_magic  # the line form is there for `%gpumem?`: it says it is a cell magic
     @user_errors
     def gpumem(self, line: str, cell: str | None = None) -> Any:
@@ -675,6 +677,9 @@ class TorchDeviceMagics(Magics):
         cell = cell_form("gpumem", "the code to measure", cell)
         args = parse(self.gpumem, line, cell=True)
         device = None if args.device is None else self._resolve(args.device)[0]
+        if device is not None and device.type == "meta":
+            raise DeviceMagicError("%%gpumem --device meta: meta tensors hold no memory, so "
+                                   "there is nothing to measure (--device cpu: host memory)")
         report, value = gpumem.measure(self.shell.user_ns, cells.compiled(self.shell, cell), device)
         self.reporter.adopt(report)
         if args.output:

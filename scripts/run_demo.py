@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
@@ -18,20 +19,25 @@ from nbclient.exceptions import CellExecutionError
 from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
+OnCell = Callable[[nbformat.NotebookNode], None]
 OUT = ROOT / "out"
 # the line the per-cell report shows after each cell, e.g. "time 1.2 ms | host 0 B (peak 0 B)"
 REPORT_LINE = re.compile(r"^time \d+(\.\d+)? (µs|ms|s|min)\b.* \| .*host ", re.M)
 
 
-def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:
-    """Execute `nb` on a fresh python3 kernel started in the repository root.
+def execute(
+    nb: nbformat.NotebookNode, timeout: int = 600, on_cell: OnCell | None = None
+) -> nbformat.NotebookNode:
+    """Execute `nb` on a fresh python3 kernel started in the repository root; `on_cell`
+    gets each code cell as soon as it has run, its outputs in it.
 
     Raises CellExecutionError at the first failing cell; `nb` keeps what ran.
     """
+    hooks = {} if on_cell is None else {"on_cell_executed": lambda cell, **_: on_cell(cell)}
     with tempfile.TemporaryDirectory() as sockets:
         client = NotebookClient(
             nb, timeout=timeout, kernel_name="python3", config=_local_sockets(sockets),
-            resources={"metadata": {"path": str(ROOT)}},
+            resources={"metadata": {"path": str(ROOT)}}, **hooks,
         )
         client.execute()
     return nb
@@ -48,14 +54,15 @@ def _local_sockets(folder: str) -> Config:
 
 
 def run_demo(
-    out: Path = OUT, timeout: int = 600
+    out: Path = OUT, timeout: int = 600, on_cell: OnCell | None = None
 ) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
-    """Execute demo.ipynb (`timeout` seconds a cell) and write it to `out`/demo.ipynb;
-    return it and the error that stopped it (None when it ran through)."""
+    """Execute demo.ipynb (`timeout` seconds a cell; `on_cell` as `execute`'s) and write
+    it to `out`/demo.ipynb; return it and the error that stopped it (None when it ran
+    through)."""
     nb = nbformat.read(ROOT / "demo.ipynb", as_version=4)
     failed = None
     try:
-        execute(nb, timeout)
+        execute(nb, timeout, on_cell)
     except CellExecutionError as err:
         failed = err
     out.mkdir(parents=True, exist_ok=True)
@@ -82,20 +89,36 @@ def output_text(out: nbformat.NotebookNode) -> str:
 
 
 def show(nb: nbformat.NotebookNode) -> None:
-    """Print each code cell's first line and what it showed, report lines included."""
+    """Print each code cell of an executed notebook as `show_cell` does."""
     for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        first = cell.source.splitlines()[0] if cell.source else ""
-        print(f"\n[{cell.get('execution_count') or ' '}] {first}")
-        for out in cell.get("outputs", []):
-            print("    " + output_text(out).rstrip("\n").replace("\n", "\n    "))
+        if cell.cell_type == "code":
+            show_cell(cell)
+
+
+def show_cell(cell: nbformat.NotebookNode) -> None:
+    """Print a code cell's first line and what it showed, report lines included, at once."""
+    first = cell.source.splitlines()[0] if cell.source else ""
+    print(f"\n[{cell.get('execution_count') or ' '}] {first}")
+    shown: list[str] = []
+    previous = None
+    for out in cell.get("outputs", []):
+        # The kernel sends a stream in pieces: one piece after another is one text.
+        stream = out.get("name") if out.output_type == "stream" else None
+        if stream is not None and stream == previous:
+            shown[-1] += output_text(out)
+        else:
+            shown.append(output_text(out))
+        previous = stream
+    for text in shown:
+        print("    " + text.rstrip("\n").replace("\n", "\n    "))
+    sys.stdout.flush()
 
 
 def main() -> int:
-    nb, failed = run_demo()
+    print("starting a Jupyter kernel for demo.ipynb (its first cell loads torch: some "
+          "seconds); each cell shows here as it finishes", flush=True)
+    nb, failed = run_demo(on_cell=show_cell)
     html = write_html(nb, OUT / "demo.html")
-    show(nb)
     print(f"\nexecuted notebook: {OUT / 'demo.ipynb'}\nHTML rendering:    {html}")
     if failed is not None:
         print(f"\nthe demo stopped at an error:\n{failed}", file=sys.stderr)

@@ -84,6 +84,33 @@ def test_the_extensions_html_is_displayed_and_readable(page, selector):
         assert EXPECTED[selector].search(element["text"]), element
 
 
+# Columns of text and of numbers in the demo's tables: %tensors, %%profile's line and op tables.
+TEXT_COLUMNS = {"name", "kind", "code", "op"}
+NUMBER_COLUMNS = {"bytes", "hits", "wall", "calls"}
+ALIGNMENT = """
+[...document.querySelectorAll(".tdm-table table")].flatMap((table) =>
+  [...table.querySelectorAll("thead th")].map((th, i) => ({
+    header: th.innerText.trim(),
+    aligns: [th, ...table.querySelectorAll(`tbody tr > td:nth-child(${i + 1})`)]
+      .map((cell) => getComputedStyle(cell).textAlign),
+  })))
+"""
+
+
+def test_text_columns_align_left_and_numbers_right_under_jupyterlabs_css(page):
+    # nbconvert's lab template carries JupyterLab's CSS, which right-aligns every table
+    # cell (`:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`): ours must win.
+    assert page.evaluate('!!document.querySelector(".jp-RenderedHTMLCommon")')
+    columns = page.evaluate(ALIGNMENT)
+    seen = {c["header"] for c in columns}
+    assert seen >= TEXT_COLUMNS | NUMBER_COLUMNS, seen
+    for column in columns:
+        if column["header"] in TEXT_COLUMNS:
+            assert set(column["aligns"]) == {"left"}, column
+        if column["header"] in NUMBER_COLUMNS:
+            assert set(column["aligns"]) == {"right"}, column
+
+
 def test_a_screenshot_is_saved_next_to_the_executed_notebook(page):
     png = page.screenshot(ROOT / "out" / "demo.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

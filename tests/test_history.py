@@ -44,3 +44,17 @@ def test_history_is_bounded():
     for n in range(10):
         kept.append(Measurement(0.1, cell=n))
     assert [r.cell for r in kept] == [7, 8, 9]
+
+
+def test_columns_that_no_cell_has_are_left_out():
+    history = History()
+    history.append(Measurement(0.1, host_delta_bytes=MiB, host_peak_bytes=MiB, cell=1))
+    history.append(Measurement(0.2, host_delta_bytes=0, host_peak_bytes=None, cell=2))
+    table = history.table()
+    assert list(table.headers) == ["cell", "time", "host Δ", "host peak"]
+    assert [list(map(str, row)) for row in table.rows] == [
+        ["1", "100.0 ms", "+1.0 MiB", "1.0 MiB"], ["2", "200.0 ms", "0 B", "n/a"]
+    ]
+    history.append(Measurement(0.3, device_s=0.1, device_delta_bytes=0, device_peak_bytes=0,
+                               device="cuda:0", device_allocated_bytes=0, cell=3))
+    assert "device time" in history.table().headers  # once a cell has it, every row shows it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import weakref
 
@@ -326,6 +327,23 @@ def test_devhistory_plot_draws_time_and_memory(ip):
     run(ip, "p = 1")
     fig = History.plot(magics(ip).reporter.history)
     assert len(fig.axes) == 2
+
+
+def test_devhistory_plot_in_a_terminal_without_images_saves_a_png_and_says_where(
+        ip, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(ip.display_formatter, "active_types", ["text/plain"])  # as a terminal
+    run(ip, "p = 1")
+    capsys.readouterr()
+    run(ip, "%devhistory --plot")
+    out = capsys.readouterr().out
+    assert "<Figure" not in out
+    said = out.splitlines()[0]
+    assert said.startswith("this terminal shows no images: the plot is in ")
+    path = said.rsplit(" ", 1)[1]
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    os.remove(path)
 
 
 # A device this machine lacks is refused, not measured as "no accelerator" or all n/a.

@@ -21,3 +21,11 @@ def test_html_escapes_and_offers_both_mimetypes():
     bundle = Table("<t>", ["h"], [["<b>x</b>"]])._repr_mimebundle_()
     assert set(bundle) == {"text/plain", "text/html"}
     assert "&lt;b&gt;x&lt;/b&gt;" in bundle["text/html"] and "<b>x</b>" in bundle["text/plain"]
+
+
+def test_html_carries_its_alignment_text_left_and_numbers_right():
+    # Jupyter's CSS right-aligns every table cell: ours says its own alignment.
+    markup = Table("t", ["name", "bytes"], [["model", "1.0 KiB"]]).html()
+    assert '<th style="text-align:left">name</th><th style="text-align:right">bytes</th>' in markup
+    assert '<td style="text-align:left">model</td><td style="text-align:right">1.0 KiB</td>' in (
+        markup)

@@ -68,3 +68,18 @@ def test_a_session_in_the_ipython_terminal(tmp_path):
     term.child.expect(pexpect.EOF)
     term.child.close()
     assert term.child.exitstatus == 0, term.child.before
+
+
+def test_devhistory_plot_in_the_terminal_saves_a_png_and_says_where(tmp_path):
+    pytest.importorskip("matplotlib")
+    term = Terminal(str(tmp_path))
+    term.cell("%load_ext torch_device_magic")
+    said = term.cell("%devhistory --plot")
+    assert "<Figure" not in said, said
+    found = re.search(r"the plot is in (\S+\.png)", said)
+    assert found, said
+    with open(found.group(1), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    os.remove(found.group(1))
+    term.child.sendline("exit()")
+    term.child.expect(pexpect.EOF)

@@ -2,8 +2,10 @@
 
     In [9]: %devhistory
     per-cell history: 3 cells (the last 1000 are kept)
-    cell  time     device time  device Δ   device peak  host Δ    host peak
+    cell    time  device time  device  device Δ  device peak    host Δ  host peak
     ...
+
+Columns that no kept cell has (the device's, on a CPU machine) are left out.
 
 Only the most recent `maxlen` records are kept, so a session of any length holds
 a fixed amount of memory. A record holds numbers and strings, never a user object.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +73,10 @@ class History:
             headers = [*HEADERS, "workers"]
             for row, r in zip(rows, self._records):
                 row.append(r.workers_summary() or "-")
+        # A column that no row has (the device's, on a CPU machine) is left out.
+        kept = [i for i in range(len(headers)) if any(row[i] not in ("n/a", "-") for row in rows)]
+        headers = [headers[i] for i in kept]
+        rows = [[row[i] for i in kept] for row in rows]
         title = f"per-cell history: {plural(len(rows), 'cell')} (the last {self.maxlen} are kept)"
         notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
         peaks = self.session_peaks()
@@ -139,6 +146,15 @@ class History:
         fig.tight_layout()
         plt.close(fig)  # shown once, by whoever displays it, not again by the inline backend
         return fig
+
+
+def save_plot(figure: Any) -> str:
+    """Write `figure` to a new PNG file in the temporary folder; return its path (for a
+    terminal, which would print only the figure's repr)."""
+    fd, path = tempfile.mkstemp(prefix="tdm-devhistory-", suffix=".png")
+    with os.fdopen(fd, "wb") as f:
+        figure.savefig(f, format="png")
+    return path
 
 
 def _or_nan(value: float | None) -> float:

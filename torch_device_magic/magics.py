@@ -12,13 +12,13 @@ import functools
 import math
 from collections.abc import Callable
 from types import MethodType
-from typing import Any, cast
+from typing import Any
 
 import torch
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
@@ -27,6 +27,7 @@ from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
 from .gpufree import free_memory
+from .history import save_plot
 from .hooks import CellReporter
 from .namespace import scan
 from .session import Session
@@ -50,24 +51,31 @@ def user_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def parse(magic: MethodType, line: str) -> Any:
-    """Parse a magic's line; a mistake names the magic and where to read its options."""
-    # `%name?` finds no help for a magic that is only a cell magic: that one is `%%name`.
+def parse(magic: MethodType, line: str, cell: bool = False) -> Any:
+    """Parse a magic's line (`cell`: its `%%` form's); a mistake names the magic as typed
+    and where to read its options."""
     name = magic.__name__
-    if name not in cast(Magics, magic.__self__).magics["line"]:
-        name = f"%{name}"
+    typed = f"%%{name}" if cell else f"%{name}"
     try:
         args = parse_argstring(magic, line)
     except UsageError as err:
-        raise UsageError(f"%{name}: {err} (see %{name}? for its options)") from err
+        raise UsageError(f"{typed}: {err} (see %{name}? for its options)") from err
     except ValueError as err:  # unbalanced quotes, from the line splitter
-        raise UsageError(f"%{name}: cannot read {line!r}: {err}") from err
+        raise UsageError(f"{typed}: cannot read {line!r}: {err}") from err
     for key, value in vars(args).items():
         if isinstance(value, str):
             setattr(args, key, unquote(value))
         elif isinstance(value, list):
             setattr(args, key, [unquote(v) if isinstance(v, str) else v for v in value])
     return args
+
+
+def cell_form(name: str, body: str, cell: str | None) -> str:
+    """The cell of a magic that is only a cell magic; its line form is a mistake."""
+    if cell is None:
+        raise DeviceMagicError(f"%{name} is a cell magic: put %%{name} on a cell's first "
+                               f"line and {body} under it")
+    return cell
 
 
 def unquote(text: str) -> str:
@@ -295,13 +303,14 @@ class TorchDeviceMagics(Magics):
         """Run a cell on a device, moving there what the cell uses, with nothing lost.
 
         In [1]: %%ondevice cuda -v
-           ...: loss = train_one_epoch(model, opt, batch)
-        moved 44.7 MiB to cuda:0 in 9.8 ms
-        name   bytes
+           ...: loss = train_step(model, opt, batch)
+        moved 66.3 MiB to cuda:0 in 9.8 ms
+        name      bytes
         -----  --------
-        batch  1.2 MiB
+        batch   1.2 MiB
         model  21.7 MiB
-        opt    21.7 MiB
+        opt    43.4 MiB
+        opt also holds 21.7 MiB counted under model
 
         The tensors, Parameters, modules, optimizers (their state too) and
         containers of them (list, tuple, dict, namedtuple, dataclass) that the
@@ -414,12 +423,13 @@ class TorchDeviceMagics(Magics):
                     moving.deliver(back)  # held back until it was done and shown
 
     @magic_arguments()
+    @kwds(usage="nograd on|off\n  %%%%nograd [--inference]")  # --inference is for one cell
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")
     @argument(
         "--inference",
         action="store_true",
-        help="use torch.inference_mode() instead of torch.no_grad() (faster; tensors made "
-        "in the cell can never join autograd later)",
+        help="cell form only: use torch.inference_mode() instead of torch.no_grad() (faster; "
+        "tensors made in the cell can never join autograd later)",
     )
     @line_cell_magic
     @user_errors
@@ -436,7 +446,13 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         args = parse(self.nograd, line)
         if cell is None:
-            if args.mode not in ("on", "off") or args.inference:
+            if args.inference:
+                raise DeviceMagicError(
+                    "%nograd takes no --inference: inference mode is for one cell "
+                    "(%%nograd --inference); %nograd on turns autograd off for the cells "
+                    "that follow"
+                )
+            if args.mode not in ("on", "off"):
                 raise DeviceMagicError(
                     "%nograd takes 'on' or 'off' (use %%nograd [--inference] as a cell magic)"
                 )
@@ -623,17 +639,18 @@ class TorchDeviceMagics(Magics):
             self.shell.config[type(self).__name__]["auto_report"] = self.auto_report
         print(self.reporter.status())
 
-    @magic_arguments()
+    @magic_arguments(name="%gpumem")  # its usage reads %%gpumem
     @argument("-o", dest="output", action="store_true",
               help="return the report object instead of the cell's value (fields wall_s, "
               "device_s, device_delta_bytes, device_peak_bytes, device_reserved_delta_bytes, "
               "host_delta_bytes, host_peak_bytes; None where not measured)")
     @argument("-q", dest="quiet", action="store_true", help="do not display the report")
-    @argument("--device", help="the accelerator to measure, one this machine has (default: "
-              "the session device if it is one, else the current device of the runtime in use)")
-    @cell_magic
+    @argument("--device", help="the accelerator to measure, one this machine has, or cpu "
+              "for host memory only (default: the session device if it is an accelerator, "
+              "else the current device of the runtime in use)")
+    @line_cell_magic  # the line form is there for `%gpumem?`: it says it is a cell magic
     @user_errors
-    def gpumem(self, line: str, cell: str) -> Any:
+    def gpumem(self, line: str, cell: str | None = None) -> Any:
         """Run the cell and report what it did to accelerator memory.
 
         In [1]: %%gpumem
@@ -657,8 +674,12 @@ class TorchDeviceMagics(Magics):
         `-q` leaves only that output. A cell that raises shows no report.
         """
         __tracebackhide__ = True
-        args = parse(self.gpumem, line)
+        cell = cell_form("gpumem", "the code to measure", cell)
+        args = parse(self.gpumem, line, cell=True)
         device = None if args.device is None else self._resolve(args.device)[0]
+        if device is not None and device.type == "meta":
+            raise DeviceMagicError("%%gpumem --device meta: meta tensors hold no memory, so "
+                                   "there is nothing to measure (--device cpu: host memory)")
         report, value = gpumem.measure(self.shell.user_ns, cells.compiled(self.shell, cell), device)
         self.reporter.adopt(report)
         if args.output:
@@ -667,7 +688,7 @@ class TorchDeviceMagics(Magics):
             display(report)
         return value
 
-    @magic_arguments()
+    @magic_arguments(name="%profile")  # its usage reads %%profile
     @argument("-n", dest="runs", type=int, default=1,
               help="profiled runs (default 1); each run repeats the cell's side effects")
     @argument("--warmup", type=int, default=0,
@@ -692,9 +713,9 @@ class TorchDeviceMagics(Magics):
     @argument("-o", dest="output", action="store_true",
               help="return the ProfileReport instead of the cell's value (.ops, .kernels, "
               ".lines, .trace_path, .profiler for key_averages())")
-    @cell_magic
+    @line_cell_magic  # the line form is there for `%profile?`: it says it is a cell magic
     @user_errors
-    def profile(self, line: str, cell: str) -> Any:
+    def profile(self, line: str, cell: str | None = None) -> Any:
         """Profile the cell with torch.profiler: where its time and memory go, by op and by line.
 
         In [1]: %%profile
@@ -737,7 +758,8 @@ class TorchDeviceMagics(Magics):
         torch.profiler records.
         """
         __tracebackhide__ = True
-        args = parse(self.profile, line)
+        cell = cell_form("profile", "the code to profile", cell)
+        args = parse(self.profile, line, cell=True)
         options = profiling.Options(
             args.runs, args.warmup, args.sort, args.top, args.trace, args.memory,
             threads=args.threads,
@@ -768,7 +790,8 @@ class TorchDeviceMagics(Magics):
     @argument("-o", dest="output", action="store_true", help="return the records")
     @argument("--csv", metavar="PATH", help="write the records to a CSV file (~ is your home; "
               'a path with spaces goes in quotes: --csv "my cells.csv")')
-    @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib)")
+    @argument("--plot", action="store_true", help="plot time and memory per cell (matplotlib); a "
+              "terminal that shows no images gets a PNG file, and its path")
     @line_magic
     @user_errors
     def devhistory(self, line: str) -> Any:
@@ -780,14 +803,22 @@ class TorchDeviceMagics(Magics):
         Records carry the `%%gpumem -o` fields plus `cell`; the last 1000
         measured cells are kept. Under the table: the session peak per device
         (the most allocated in any kept cell), since the report resets torch's
-        process-wide peak counter before each cell. `--plot` needs matplotlib.
+        process-wide peak counter before each cell. `--plot` needs matplotlib;
+        in a terminal that shows no images it saves a PNG in the temporary
+        folder and prints its path. Columns that no kept cell has (the device's,
+        on a CPU machine) are left out.
         """
         args = parse(self.devhistory, line)
         history = self.reporter.history
         if args.csv is not None:
             print(f"wrote {history.write_csv(args.csv)} records to {args.csv}")
         if args.plot:
-            display(history.plot())
+            figure = history.plot()
+            formatter = self.shell.display_formatter
+            if formatter is not None and "image/png" in formatter.active_types:
+                display(figure)
+            else:  # a terminal that shows no images would print only `<Figure size ...>`
+                print(f"this terminal shows no images: the plot is in {save_plot(figure)}")
         if args.output:
             return history.records()
         if not (args.csv is not None or args.plot):

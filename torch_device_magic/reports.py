@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Table:
-    """A titled table with right-aligned numbers and notes underneath."""
+    """A titled table, numbers aligned right and text left, with notes underneath."""
 
     title: str
     headers: Sequence[str]
@@ -24,12 +24,17 @@ class Table:
     def _cells(self) -> list[list[str]]:
         return [[str(c) for c in row] for row in self.rows]
 
+    def _numeric(self, cells: list[list[str]]) -> list[bool]:
+        """Per column: whether every cell in it is a number (aligned right, text left)."""
+        return [bool(cells) and all(_is_number(r[i]) for r in cells)
+                for i in range(len(self.headers))]
+
     def text(self) -> str:
         cells = self._cells()
         widths = [len(h) for h in self.headers]
         for row in cells:
             widths = [max(w, len(c)) for w, c in zip(widths, row)]
-        numeric = [all(_is_number(r[i]) for r in cells) and bool(cells) for i in range(len(widths))]
+        numeric = self._numeric(cells)
 
         def line(row: Sequence[str]) -> str:
             parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)]
@@ -45,9 +50,15 @@ class Table:
 
     def html(self) -> str:
         esc = html.escape
-        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
+        cells = self._cells()
+        # Jupyter's CSS right-aligns every cell; the alignment goes in the HTML itself so
+        # that code and names read from the left wherever the table is shown.
+        align = [f' style="text-align:{"right" if num else "left"}"'
+                 for num in self._numeric(cells)]
+        head = "".join(f"<th{a}>{esc(h)}</th>" for h, a in zip(self.headers, align))
         body = "".join(
-            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._cells()
+            "<tr>" + "".join(f"<td{a}>{esc(c)}</td>" for c, a in zip(row, align)) + "</tr>"
+            for row in cells
         )
         notes = "".join(f"<div>{esc(n)}</div>" for n in self.notes)
         title = f"<div><b>{esc(self.title)}</b></div>" if self.title else ""

@@ -76,14 +76,14 @@ def test_a_data_loaders_workers_that_exited_are_counted_with_the_larger_peak(ip)
         "batches = list(loader(0))",  # smaller than the largest so far: only a bound
     ])
     for cell in (idle, touched):
-        assert (cell["workers"], cell["workers_exited"]) == (2, 2)
-        assert cell["workers_peak_bound"] is False
-        assert cell["workers_pss_bytes"] is None  # none alive at the end
+        assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 2)
+        assert cell["workers"]["peak_bound"] is False
+        assert cell["workers"]["pss_bytes"] is None  # none alive at the end
         assert ", workers 2 (exited), largest peak " in cell["line"]
     # A worker's peak counts the pages it shares with the kernel: the 64 MiB are on top.
-    assert touched["workers_peak_bytes"] - idle["workers_peak_bytes"] >= 60 * MIB
-    assert (smaller["workers"], smaller["workers_peak_bound"]) == (2, True)
-    assert smaller["workers_peak_bytes"] == touched["workers_peak_bytes"]
+    assert touched["workers"]["peak_bytes"] - idle["workers"]["peak_bytes"] >= 60 * MIB
+    assert (smaller["workers"]["count"], smaller["workers"]["peak_bound"]) == (2, True)
+    assert smaller["workers"]["peak_bytes"] == touched["workers"]["peak_bytes"]
     assert ", largest peak ≤ " in smaller["line"]
 
 
@@ -95,13 +95,13 @@ def test_live_workers_show_their_peak_and_pss_and_idle_ones_leave_later_cells(ip
     ip.run_cell("x = 1")  # two workers alive, not busy in this cell
     idle, shutdown, touched, quiet = records(ip, 4)
     for cell in (idle, touched):
-        assert (cell["workers"], cell["workers_exited"]) == (2, 0)
+        assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 0)
         assert ", workers 2, largest peak " in cell["line"] and ", PSS " in cell["line"]
-    assert touched["workers_peak_bytes"] - idle["workers_peak_bytes"] >= 60 * MIB
+    assert touched["workers"]["peak_bytes"] - idle["workers"]["peak_bytes"] >= 60 * MIB
     # PSS splits what the workers share with the kernel; their own 64 MiB each count whole.
-    assert touched["workers_pss_bytes"] - idle["workers_pss_bytes"] >= 120 * MIB
-    assert (shutdown["workers"], shutdown["workers_exited"]) == (2, 2)
-    assert quiet["workers"] == 0 and "workers" not in quiet["line"]
+    assert touched["workers"]["pss_bytes"] - idle["workers"]["pss_bytes"] >= 120 * MIB
+    assert (shutdown["workers"]["count"], shutdown["workers"]["exited"]) == (2, 2)
+    assert quiet["workers"] is None and "workers" not in quiet["line"]
     ip.run_cell("del touched")
 
 
@@ -149,9 +149,10 @@ def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_p
         "tmp.start_processes(nothing, nprocs=2, start_method='fork')",
         f"tmp.start_processes(train, args=({str(rendezvous)!r},), nprocs=2, start_method='fork')",
     ])
-    assert (launch["workers"], launch["workers_exited"], launch["workers_peak_bound"]) == (
-        2, 2, False)
-    assert launch["workers_peak_bytes"] - nothing["workers_peak_bytes"] >= 64 * MIB
+    assert launch["workers"] | {"peak_bytes": None} == {
+        "count": 2, "exited": 2, "uncounted": False, "peak_bytes": None, "peak_bound": False,
+        "pss_bytes": None, "device_bytes": None, "note": None}
+    assert launch["workers"]["peak_bytes"] - nothing["workers"]["peak_bytes"] >= 64 * MIB
     assert ", workers 2 (exited), largest peak " in launch["line"]
     assert ip.run_cell("torch.zeros(1).device.type").result == "meta"  # the kernel keeps it
 
@@ -172,22 +173,18 @@ def test_a_childs_children_count_too_and_an_exit_fork_did_not_start_is_seen(ip):
     ip.run_cell("os.system('true')")  # not forked by Python: seen as it exits
     ip.run_cell("os.kill(grandchild, 9); tree.join()")
     started, shell, ended = records(ip, 3)
-    assert (started["workers"], started["workers_exited"]) == (2, 0)
+    assert (started["workers"]["count"], started["workers"]["exited"]) == (2, 0)
     # The tree idles through the next cell: only the shell's exit is the cell's.
-    assert (shell["workers"], shell["workers_uncounted"]) == (1, True)
+    assert (shell["workers"]["count"], shell["workers"]["uncounted"]) == (1, True)
     assert ", workers 1+ (exited), largest peak " in shell["line"]
-    assert (ended["workers"], ended["workers_exited"]) == (2, 2)
+    assert (ended["workers"]["count"], ended["workers"]["exited"]) == (2, 2)
 
 
-def test_a_cell_without_children_reads_zero_workers_and_says_nothing(ip):
+def test_a_cell_without_children_records_no_workers_and_says_nothing(ip):
     ip.run_cell("y = torch.ones(3)")
     (cell,) = records(ip, 1)
-    assert cell["workers"] == 0 and cell["workers_peak_bytes"] is None
+    assert cell["workers"] is None
     assert "workers" not in cell["line"]
-    watch = ChildWatch()
-    watch.start()
-    assert watch.stop() is NONE
-    watch.close()
 
 
 # --- device memory per worker: NVML's per-process list on the fake GPU machine ----------------
@@ -217,7 +214,7 @@ def test_each_workers_gpu_memory_comes_from_nvmls_process_list(monkeypatch, list
         child.kill()
         child.join()
         meter.close()
-    assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, shown, note)
+    assert (m.workers.count, m.workers.device_bytes, m.workers.note) == (1, shown, note)
     (worker,) = meter.workers.processes
     assert worker.pid == child.pid and worker.device_bytes == shown
     if note:
@@ -237,7 +234,7 @@ def test_without_nvml_the_workers_have_no_gpu_figure_and_no_note(monkeypatch):
         child.kill()
         child.join()
         meter.close()
-    assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, None, None)
+    assert (m.workers.count, m.workers.device_bytes, m.workers.note) == (1, None, None)
 
 
 # --- the real launches on a GPU (scripts/gpu-check) ---------------------------------------------
@@ -264,9 +261,9 @@ def test_a_fork_launch_on_cuda_works_with_the_extension_loaded(ip):
     )
     (cell,) = records(ip, 1)
     ip.run_cell("ready.wait()\nwhile not procs.join(): pass")
-    assert (cell["workers"], cell["workers_exited"]) == (2, 0)
-    if cell["workers_note"] is None:  # outside a container NVML names them
-        assert cell["workers_device_bytes"] >= 2 * 256 * MIB
+    assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 0)
+    if cell["workers"]["note"] is None:  # outside a container NVML names them
+        assert cell["workers"]["device_bytes"] >= 2 * 256 * MIB
         assert ", GPU " in cell["line"]
     assert ip.run_cell("torch.cuda.is_initialized()").result is False
 
@@ -287,5 +284,5 @@ def test_accelerate_notebook_launcher_works_with_the_extension_loaded(ip):
         "notebook_launcher(train, num_processes=2)"
     )
     (cell,) = records(ip, 1)
-    assert (cell["workers"], cell["workers_exited"]) == (2, 2)
-    assert cell["workers_peak_bytes"] is not None
+    assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 2)
+    assert cell["workers"]["peak_bytes"] is not None

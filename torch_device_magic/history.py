@@ -69,7 +69,7 @@ class History:
         if any(r.workers for r in self._records):  # a column only where a cell had workers
             headers = [*HEADERS, "workers"]
             for row, r in zip(rows, self._records):
-                row.append(r.workers_summary() or "-")
+                row.append("-" if r.workers is None else r.workers.summary())
         title = f"per-cell history: {plural(len(rows), 'cell')} (the last {self.maxlen} are kept)"
         notes = [] if rows else ["no cell measured yet: the report records cells while it is on"]
         peaks = self.session_peaks()
@@ -106,8 +106,7 @@ class History:
                 writer = csv.writer(f)
                 writer.writerow(names)
                 for r in self._records:
-                    values = (getattr(r, n) for n in names)
-                    writer.writerow(["" if v is None else v for v in values])
+                    writer.writerow(["" if v is None else v for v in r.row()])
         except OSError as err:
             raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from err
         return len(self._records)

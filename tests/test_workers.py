@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
 import time
 import traceback
 
@@ -286,3 +287,128 @@ def test_accelerate_notebook_launcher_works_with_the_extension_loaded(ip):
     (cell,) = records(ip, 1)
     assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 2)
     assert cell["workers"]["peak_bytes"] is not None
+
+
+# --- which processes are the cell's (issue 20, points 8-11) -----------------------------------
+
+ZOMBIE = (
+    "import multiprocessing, time\n"
+    "fork = multiprocessing.get_context('fork')\n"
+    "def state(pid):\n"
+    "    with open(f'/proc/{pid}/stat') as f:\n"
+    "        return f.read().rsplit(')', 1)[1].split()[0]\n"
+)
+
+
+def test_a_finished_unjoined_process_is_a_worker_of_the_cell_it_exited_in_only(ip):
+    ip.run_cell(ZOMBIE)
+    ip.run_cell(
+        "done = fork.Process(target=int); done.start()\n"
+        "while state(done.pid) != 'Z':  # exited, and nobody joins it: a zombie\n"
+        "    time.sleep(0.01)"
+    )
+    ip.run_cell("x = 1")
+    ip.run_cell("x = 2")
+    ip.run_cell("done.join()")  # reaped here, but it exited two cells ago
+    exited, later, again, joined = records(ip, 4)
+    assert ", workers 1 (exited), largest peak n/a" in exited["line"]
+    for cell in (later, again, joined):
+        assert "workers" not in cell["line"]
+        assert cell["workers"] is None
+
+
+def test_a_reused_pid_is_a_new_process(ip):
+    """A worker reaped in the cell and another forked with its pid: one exited, one
+    running; the second's exit is the cell it really exits in."""
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("needs /proc/sys/kernel/ns_last_pid writable (root) to hand out a pid again")
+    ip.run_cell(
+        ZOMBIE + "def again(pid):  # a sleeping child, with `pid` where the kernel allows\n"
+        "    with open('/proc/sys/kernel/ns_last_pid', 'w') as f:\n"
+        "        f.write(str(pid - 1))\n"
+        "    child = fork.Process(target=time.sleep, args=(30,))\n"
+        "    child.start()\n"
+        "    return child\n"
+    )
+    for _ in range(10):  # other processes on the machine may take the pid first
+        ip.run_cell("first = fork.Process(target=time.sleep, args=(30,)); first.start()")
+        ip.run_cell("first.kill(); first.join(); second = again(first.pid)")
+        ip.run_cell("second.kill(); second.join()")
+        if ip.user_ns["second"].pid == ip.user_ns["first"].pid:
+            break
+    else:
+        pytest.skip("another process took the pid every time")
+    _, both, second = records(ip, 3)
+    assert ", workers 2 (1 exited), largest peak " in both["line"]
+    assert ", workers 1 (exited), largest peak " in second["line"]
+
+
+def test_a_peak_reaped_cells_ago_is_only_a_bound_and_subprocess_children_are_seen(ip):
+    """getrusage keeps the session's largest reaped child: a script's 512 MiB two cells
+    before is not the peak of a later cell's children. The script's own cell shows it
+    (exactly: the figure rose there) as one exited child at least (nothing counted it)."""
+    script, between, spawned, _ = in_a_fresh_process(ip, [
+        "import multiprocessing, subprocess, sys, time\n"
+        "subprocess.run([sys.executable, '-c', 'b = b\"x\" * (512 << 20)'], check=True)",
+        "x = 1",
+        # a spawned child (and multiprocessing's resource tracker, which is no worker),
+        # and a shell child's exit
+        "slow = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(30,))\n"
+        "slow.start()\n"
+        "subprocess.run(['true'], check=True)",
+        "slow.kill(); slow.join()",
+    ])
+    assert ", workers 1+ (exited), largest peak " in script["line"]
+    assert script["workers"]["peak_bytes"] >= 512 * MIB
+    assert script["workers"]["peak_bound"] is False
+    assert between["workers"] is None
+    assert ", workers 2+ (1 exited), largest peak ≤ " in spawned["line"]
+    assert spawned["workers"]["peak_bound"] is True
+
+
+def test_a_running_popen_is_seen_in_a_process_that_had_children(ip):
+    ip.run_cell("import subprocess\nsleeper = subprocess.Popen(['sleep', '30'])")
+    ip.run_cell("sleeper.kill(); sleeper.wait()")
+    started, ended = records(ip, 2)
+    assert ", workers 1, largest peak " in started["line"]
+    assert started["workers"]["exited"] == 0 and started["workers"]["pss_bytes"] is not None
+    assert ", workers 1 (exited), largest peak " in ended["line"]
+
+
+@pytest.mark.parametrize("helper", ["resource_tracker", "forkserver"])
+def test_multiprocessings_helpers_are_not_the_cells_workers(ip, helper):
+    ip.run_cell(ZOMBIE)
+    (cell,) = in_a_fresh_process(ip, [
+        f"import multiprocessing.{helper} as helper\n"
+        "helper.ensure_running()\n"
+        "child = fork.Process(target=int); child.start(); child.join()"
+    ])
+    assert ", workers 1 (exited), largest peak " in cell["line"]
+
+
+def test_a_process_that_never_had_a_child_reads_no_proc_file_until_it_has_one():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no child reaped yet, so getrusage(RUSAGE_CHILDREN) is zero
+        try:
+            looked: list[str] = []
+            watch = ChildWatch()
+            watch._listed = lambda: looked.append("listed") or set()  # type: ignore[method-assign]
+            watch.start()
+            quiet = watch.stop()
+            first = looked[:]
+            watch.start()
+            subprocess.run(["true"], check=True)  # not forked by Python: seen as it is reaped
+            found = watch.stop()
+            answer = [quiet is NONE, first, found.count, found.uncounted, bool(looked)]
+        except BaseException:
+            answer = [traceback.format_exc()]
+        finally:
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(answer))
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got:
+        answer = json.loads(got.read())
+    os.waitpid(pid, 0)
+    assert answer == [True, [], 1, True, True]

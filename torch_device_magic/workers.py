@@ -419,7 +419,7 @@ class ChildWatch:
         self._had_child = True
         path = f"/proc/self/task/{threading.get_native_id()}/children"
         with open(path, "rb") as f:
-            pids = [int(p) for p in f.read().split()]
+            pids = {int(p) for p in f.read().split()} - _mp_helpers()
         for pid in pids:
             stat = _or_none(_read_stat, pid)
             if stat is not None:

@@ -306,7 +306,7 @@ class Meter:
 
     def _workers(self, m: Measurement) -> Measurement:
         """`m` with the cell's workers (read after the clock stopped)."""
-        found = self.workers = self.children.stop()
+        found = self.workers = self.children.stop(m.wall_s)
         if found is NONE:  # the usual: no child
             return m
         if cuda_built() and any(not w.exited for w in found.processes):

@@ -36,6 +36,7 @@ walks every process: milliseconds, too slow for every cell); without /proc
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -236,6 +237,8 @@ def _usage() -> tuple[int, float, int]:
 
 
 _NO_USAGE = (0, 0.0, 0)  # no child reaped yet (or no getrusage)
+# No process is started and reaped in less: a quicker cell without a child known reads nothing.
+_CHILD_S = 100e-6
 Key = tuple[int, int]  # a process: (pid, start time)
 
 
@@ -255,22 +258,24 @@ class ChildWatch:
         self._forked: set[Key] = set()  # forked since the last look
         self._zombies: set[Key] = set()  # exited, not reaped, at the last look: counted then
         self._usage = _guarded_usage()  # the reaped children's figures at the last look
-        # Whether this process has had a child: until then a cell reads one getrusage.
-        self._had_child = self._usage != _NO_USAGE
         if self.sees:
             _watches.add(self)
             _register_fork_handler()
 
     # --- per cell -------------------------------------------------------------------------
 
+    def _knows(self) -> bool:
+        """Whether a child is known: alive or a zombie at the last look, or forked since."""
+        return bool(self._live or self._forked or self._zombies)
+
     def start(self) -> None:
-        """In a process that has had a child: which children are alive (their CPU time
-        and peaks reset), and the reaped children's figures to compare with at the end.
-        What exited between cells is no cell's."""
-        if not self._had_child:
+        """Where a child is known: which children are alive (their CPU time and peaks
+        reset), and the reaped children's figures to compare with at the end. What
+        exited between cells is no cell's."""
+        if not self._knows():
             return
         try:
-            live, zombies = self._look()
+            live, zombies = self._look(self._listed())
             for proc in live.values():
                 proc.new = False
                 proc.ticks = _or_none(proc.cpu_ticks)
@@ -280,31 +285,35 @@ class ChildWatch:
             _log.debug("reading the children at the start failed", exc_info=True)
         self._usage = _guarded_usage()
 
-    def stop(self) -> Workers:
-        """The cell's workers, as they are now (NONE for a cell without).
+    def stop(self, elapsed_s: float = math.inf) -> Workers:
+        """The cell's workers, as they are now (NONE for a cell without); `elapsed_s`: how
+        long the cell ran.
 
-        In a process that has never had a child, only the reaped children's figures
-        are read (and multiprocessing's list of running children): a change there is
-        a first child."""
+        Without a child known, a cell quicker than any process can be started and reaped
+        in reads nothing; a longer one reads the reaped children's figures and this
+        thread's children, and multiprocessing's list of running children, and looks
+        further only where one of them says there is a child."""
         if not self.sees:
             return NONE
+        knows = self._knows()
+        if not knows and elapsed_s < _CHILD_S:
+            return NONE  # the usual: a quick cell, nothing read
+        listed = self._listed()
         usage = _guarded_usage()
-        if not self._had_child:
-            if usage == self._usage and not _mp_children():
-                return NONE  # the usual: no child ever, one getrusage read
-            self._had_child = True
+        if not (knows or listed or usage != self._usage or _mp_children()):
+            return NONE
         before, self._usage = self._usage, usage
         try:
-            return self._read(before, usage)
+            return self._read(before, usage, listed)
         except Exception:
             _log.debug("reading the workers failed", exc_info=True)
             self._live, self._roots, self._forked, self._zombies = {}, set(), set(), set()
             return NONE
 
-    def _look(self) -> tuple[dict[int, _Proc], set[Key]]:
+    def _look(self, listed: set[int]) -> tuple[dict[int, _Proc], set[Key]]:
         """The live descendants by pid (each with its peak read), and the zombies among
-        them (closed)."""
-        pids = self._listed() | self._roots | {pid for pid, _ in self._forked} | _mp_pids()
+        them (closed): from `listed` (this thread's children) and those known."""
+        pids = listed | self._roots | {pid for pid, _ in self._forked} | _mp_pids()
         found = self._tree(pids - _mp_helpers())
         zombies = set()
         for pid, proc in list(found.items()):
@@ -322,10 +331,10 @@ class ChildWatch:
                 proc.close()
         return found, zombies
 
-    def _read(self, before: tuple, usage: tuple) -> Workers:
+    def _read(self, before: tuple, usage: tuple, listed: set[int]) -> Workers:
         old = {p.key for p in self._live.values()} | self._forked
         ticks = {p.key: (p.new, p.ticks) for p in self._live.values()}
-        live, zombies = self._look()
+        live, zombies = self._look(listed)
         workers = []
         for proc in live.values():
             new, start_ticks = ticks.get(proc.key, (True, None))
@@ -416,7 +425,6 @@ class ChildWatch:
     def _after_fork_in_parent(self) -> None:
         """Note the child just forked, by pid and start time (the forking thread's
         children, read now)."""
-        self._had_child = True
         path = f"/proc/self/task/{threading.get_native_id()}/children"
         with open(path, "rb") as f:
             pids = {int(p) for p in f.read().split()} - _mp_helpers()
@@ -432,7 +440,6 @@ class ChildWatch:
         # inherited fds name the parent's files: left open, never read in the child
         self._children_fds, self._ident, self._fd = {}, None, None
         self._usage = _guarded_usage()
-        self._had_child = self._usage != _NO_USAGE
 
 
 def _read_stat(pid: int) -> bytes:
@@ -452,7 +459,7 @@ def _guarded_usage() -> tuple[int, float, int]:
     try:
         return _usage()
     except (OSError, ValueError):
-        return (0, 0.0, 0)
+        return _NO_USAGE
 
 
 def _mp_children() -> Any:

@@ -264,15 +264,11 @@ class ChildWatch:
 
     # --- per cell -------------------------------------------------------------------------
 
-    def _knows(self) -> bool:
-        """Whether a child is known: alive or a zombie at the last look, or forked since."""
-        return bool(self._live or self._forked or self._zombies)
-
     def start(self) -> None:
         """Where a child is known: which children are alive (their CPU time and peaks
         reset), and the reaped children's figures to compare with at the end. What
         exited between cells is no cell's."""
-        if not self._knows():
+        if not (self._live or self._forked or self._zombies):  # no child known
             return
         try:
             live, zombies = self._look(self._listed())
@@ -293,10 +289,8 @@ class ChildWatch:
         in reads nothing; a longer one reads the reaped children's figures and this
         thread's children, and multiprocessing's list of running children, and looks
         further only where one of them says there is a child."""
-        if not self.sees:
-            return NONE
-        knows = self._knows()
-        if not knows and elapsed_s < _CHILD_S:
+        knows = self._live or self._forked or self._zombies  # alive, forked, zombie
+        if (not knows and elapsed_s < _CHILD_S) or not self.sees:
             return NONE  # the usual: a quick cell, nothing read
         listed = self._listed()
         usage = _guarded_usage()

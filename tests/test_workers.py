@@ -8,6 +8,7 @@ whose count starts from nothing (`in_a_fresh_process`).
 
 from __future__ import annotations
 
+import csv
 import json
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ import pytest
 from fakegpu import GIB, FakeMachine, Gpu
 
 from torch_device_magic.measure import Meter
-from torch_device_magic.workers import CONTAINER_NOTE, NONE, ChildWatch
+from torch_device_magic.workers import CONTAINER_NOTE, NONE, CellWorkers, ChildWatch
 
 MIB = 2**20
 
@@ -111,6 +112,7 @@ def test_gpumem_gives_a_row_per_worker_and_devhistory_a_column(ip, capsys):
     report = ip.run_cell(
         "%%gpumem -o\ntouched = iter(loader(64, persistent_workers=True)); next(touched)"
     ).result
+    assert (report.workers.count, report.workers.exited) == (2, 0)
     pids = sorted(w.pid for w in report.processes)
     assert len(pids) == 2 and all(w.peak_bytes >= 64 * MIB for w in report.processes)
     text = str(report)
@@ -125,6 +127,23 @@ def test_gpumem_gives_a_row_per_worker_and_devhistory_a_column(ip, capsys):
     table = capsys.readouterr().out
     assert table.splitlines()[1].split()[-1] == "workers"
     assert "  2, largest peak " in table and "  2 (exited), largest peak " in table
+
+
+def test_a_record_keeps_the_workers_as_one_sub_record_and_the_csv_a_column_each(ip, tmp_path):
+    ip.run_cell(TOUCH)
+    ip.run_cell("batches = list(loader(0))")
+    ip.run_cell("x = 1")
+    loaded, quiet = ip.run_cell("%devhistory -o").result[-2:]
+    assert isinstance(loaded.workers, CellWorkers) and quiet.workers is None
+    assert (loaded.workers.count, loaded.workers.exited) == (2, 2)
+    ip.run_cell(f"%devhistory --csv {tmp_path}/cells.csv")
+    with open(tmp_path / "cells.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    loaded_row, quiet_row = rows[-3:-1]  # then the %devhistory -o cell
+    assert "workers" not in loaded_row
+    assert (loaded_row["workers_count"], loaded_row["workers_exited"]) == ("2", "2")
+    assert int(loaded_row["workers_peak_bytes"]) == loaded.workers.peak_bytes
+    assert all(quiet_row[f"workers_{name}"] == "" for name in ("count", "exited", "note"))
 
 
 def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_path):

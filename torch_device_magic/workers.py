@@ -417,12 +417,14 @@ class ChildWatch:
     # --- forks ----------------------------------------------------------------------------
 
     def _after_fork_in_parent(self) -> None:
-        """Note the child just forked, by pid and start time (the forking thread's
-        children, read now)."""
+        """Note the child just forked, by pid and start time: the forking thread's
+        children, read now, less those already known (a known pid the kernel handed out
+        again is read at the end of the cell as the new process it is)."""
         path = f"/proc/self/task/{threading.get_native_id()}/children"
         with open(path, "rb") as f:
-            pids = {int(p) for p in f.read().split()} - _mp_helpers()
-        for pid in pids:
+            pids = {int(p) for p in f.read().split()}
+        known = {pid for pid, _ in self._forked} | self._live.keys() | _mp_helpers()
+        for pid in pids - known:
             stat = _or_none(_read_stat, pid)
             if stat is not None:
                 self._forked.add((pid, _start_time(stat)))

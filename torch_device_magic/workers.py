@@ -20,17 +20,15 @@ ever reaped: the cell's own largest is known exactly when it rose during the
 cell, else only as "at most" that figure. A child that exited but is not yet
 reaped (a zombie) is counted in the cell it exited in, never again.
 
-What a process that has never had a child pays: one `getrusage` at the end of
-each cell (a child reaped shows there: `subprocess.run`, `os.system`), and a
-look at multiprocessing's list of running children. From the first child on
-(forked, reaped or listed by multiprocessing), each cell reads this thread's
-`/proc/self/task/TID/children` and `getrusage` at its start and end, so a
-`subprocess.Popen` still running is seen too. Until then a child that was
-neither forked by Python nor reaped (a `Popen` left running in a process that
-never had a child) is not looked for. Where that file is missing (a kernel
-without CONFIG_PROC_CHILDREN), forked children are still seen (psutil's listing
-walks every process: milliseconds, too slow for every cell); without /proc
-(macOS, Windows) nothing is read and a cell records no workers.
+What a cell pays without a child known (none alive or unreaped at the last look,
+none forked since): nothing read where it ran under 100 µs (no process is
+started and reaped in less); else this thread's `/proc/self/task/TID/children`
+(kept open) and `getrusage`, which show a `subprocess.Popen` while it runs and
+a `subprocess.run` or `os.system` child once reaped, and multiprocessing's list
+of running children (spawn, forkserver). Where that file is missing (a kernel
+without CONFIG_PROC_CHILDREN), forked and reaped children are still seen
+(psutil's listing walks every process: milliseconds, too slow for every cell);
+without /proc (macOS, Windows) nothing is read and a cell records no workers.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import traceback
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu
 
+from torch_device_magic import workers
 from torch_device_magic.measure import Meter
 from torch_device_magic.workers import CONTAINER_NOTE, NONE, CellWorkers, ChildWatch
 
@@ -421,3 +422,18 @@ def test_a_quick_cell_without_a_child_known_reads_nothing_and_a_longer_one_sees_
         watch.close()
     assert (found.count, found.exited, found.uncounted) == (1, 1, True)
     assert looked == ["listed"]
+
+
+def test_a_pid_multiprocessing_still_lists_but_another_process_has_is_no_worker(monkeypatch):
+    """multiprocessing keeps a Process reaped through `exitcode` among its children, so
+    its pid may since name a process of someone else's (here: pytest's parent)."""
+    other = os.getppid()
+    monkeypatch.setattr(workers, "_mp_children", lambda: [object()])
+    monkeypatch.setattr(workers, "_mp_pids", lambda: {other})
+    watch = ChildWatch()
+    try:
+        watch.start()
+        found = watch.stop(elapsed_s=0.01)
+    finally:
+        watch.close()
+    assert other not in {w.pid for w in found.processes}

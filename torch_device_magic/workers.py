@@ -158,7 +158,7 @@ class _Proc:
     """One live descendant, its /proc files kept open (a read of an fd whose process
     is gone fails, so a reused pid is never misread), known by `key`: (pid, start)."""
 
-    __slots__ = ("fds", "new", "peak", "pid", "start", "ticks")
+    __slots__ = ("fds", "new", "parent", "peak", "pid", "start", "ticks")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -166,7 +166,13 @@ class _Proc:
         self.ticks: int | None = None  # CPU time at the cell's start
         self.new = True  # not alive at the cell's start
         self.peak: int | None = None  # VmHWM at the last look
-        self.start = _start_time(self.read("stat"))  # OSError where there is no such process
+        try:  # OSError where there is no such process
+            fields = _stat_fields(self.read("stat"))
+        except OSError:
+            self.close()
+            raise
+        self.parent = int(fields[1])
+        self.start = int(fields[19])  # field 22: clock ticks after boot
 
     @property
     def key(self) -> tuple[int, int]:
@@ -211,10 +217,6 @@ class _Proc:
 def _stat_fields(stat: bytes) -> list[bytes]:
     """/proc/PID/stat's fields from the third (state) on: the name before may hold spaces."""
     return stat.rsplit(b")", 1)[1].split()
-
-
-def _start_time(stat: bytes) -> int:
-    return int(_stat_fields(stat)[19])  # field 22: clock ticks after boot
 
 
 def _kib(text: bytes, key: bytes) -> int | None:
@@ -305,8 +307,9 @@ class ChildWatch:
     def _look(self, listed: set[int]) -> tuple[dict[int, _Proc], set[Key]]:
         """The live descendants by pid (each with its peak read), and the zombies among
         them (closed): from `listed` (this thread's children) and those known."""
-        pids = listed | self._roots | {pid for pid, _ in self._forked} | _mp_pids()
-        found = self._tree(pids - _mp_helpers())
+        known = {pid for pid, _ in self._forked | self._zombies}
+        helpers = _mp_helpers()
+        found = self._tree((listed | self._roots | known | _mp_pids()) - helpers, helpers)
         zombies = set()
         for pid, proc in list(found.items()):
             status = _or_none(proc.status)  # None: gone since
@@ -349,10 +352,13 @@ class ChildWatch:
             uncounted=reaped and not reaped_here,
         )
 
-    def _tree(self, pids: set[int]) -> dict[int, _Proc]:
-        """The processes of `pids` (our children) still there and all their descendants,
-        by pid; a grandchild whose parent died is not ours any more, so not found."""
+    def _tree(self, pids: set[int], helpers: set[int]) -> dict[int, _Proc]:
+        """The processes of `pids` (our children, or the children of multiprocessing's
+        `helpers`) still there and all their descendants, by pid; a grandchild whose
+        parent died is not ours any more, so not found, nor is a process another parent
+        has under a pid one of ours had."""
         self._roots = set()
+        parents = helpers | {self._pid}
         found: dict[int, _Proc] = {}
         todo = list(pids)
         while todo:
@@ -367,6 +373,8 @@ class ChildWatch:
                     proc.read("stat")  # (its children file reads empty once it is gone)
                 except OSError:  # the process we knew is gone: the pid may be another's now
                     proc = _Proc(pid)
+                if proc.parent not in parents and proc.parent not in found:
+                    raise OSError(f"{pid} is not ours")
                 todo += proc.children()
             except OSError:  # gone (or not ours to read)
                 if proc is not None and proc is not self._live.get(pid):
@@ -425,7 +433,7 @@ class ChildWatch:
         for pid in pids - known:
             stat = _or_none(_read_stat, pid)
             if stat is not None:
-                self._forked.add((pid, _start_time(stat)))
+                self._forked.add((pid, int(_stat_fields(stat)[19])))
 
     def _after_fork_in_child(self) -> None:
         """A forked child starts with no children, and its files must be its own."""

@@ -15,6 +15,7 @@ import os
 import subprocess
 import time
 import traceback
+from collections.abc import Callable
 
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu
@@ -406,22 +407,43 @@ def test_multiprocessings_helpers_are_not_the_cells_workers(ip, helper):
     assert ", workers 1 (exited), largest peak " in cell["line"]
 
 
+def in_a_child(check: Callable[[], list]) -> list:
+    """`check()`'s answer, run in a child forked from this process (which has no child)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            answer = check()
+        except BaseException:
+            answer = [traceback.format_exc()]
+        finally:
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(answer))
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got:
+        answer = json.loads(got.read())
+    os.waitpid(pid, 0)
+    return answer
+
+
 def test_a_quick_cell_without_a_child_known_reads_nothing_and_a_longer_one_sees_a_shell_child():
-    looked: list[str] = []
-    watch = ChildWatch()
-    watch._listed = lambda: looked.append("listed") or set()  # type: ignore[method-assign]
-    usage = watch._usage
-    try:
+    def check() -> list:
+        watch = ChildWatch()
+        watch.start()  # the first start looks: no child
+        watch.stop(elapsed_s=50e-6)
+        looked: list[str] = []
+        watch._listed = lambda: looked.append("listed") or set()  # type: ignore[method-assign]
+        usage = watch._usage
         watch.start()
-        assert watch.stop(elapsed_s=50e-6) is NONE  # quicker than any process's start and end
-        assert looked == [] and watch._usage is usage
+        quick = watch.stop(elapsed_s=50e-6)  # quicker than any process's start and end
+        first = [quick is NONE, looked[:], watch._usage is usage]
         watch.start()
         subprocess.run(["true"], check=True)  # not forked by Python: seen as it is reaped
         found = watch.stop(elapsed_s=0.01)
-    finally:
-        watch.close()
-    assert (found.count, found.exited, found.uncounted) == (1, 1, True)
-    assert looked == ["listed"]
+        return [*first, found.count, found.exited, found.uncounted, looked]
+
+    assert in_a_child(check) == [True, [], True, 1, 1, True, ["listed"]]
 
 
 def test_a_pid_multiprocessing_still_lists_but_another_process_has_is_no_worker(monkeypatch):
@@ -437,3 +459,14 @@ def test_a_pid_multiprocessing_still_lists_but_another_process_has_is_no_worker(
     finally:
         watch.close()
     assert other not in {w.pid for w in found.processes}
+
+
+def test_gpumem_does_not_take_a_pool_idle_in_its_cell_for_its_workers(ip):
+    """%%gpumem measures with a Meter of its own, which has not seen the pool start: the
+    workers alive before its cell and idle in it are not its."""
+    ip.run_cell(TOUCH)
+    ip.run_cell("pool = loader(0, persistent_workers=True); batches = list(pool)")  # then idle
+    report = ip.run_cell("%%gpumem -o\nx = sum(range(10**5))").result
+    ip.run_cell("del pool")
+    assert report.workers is None and report.processes == []
+    assert "workers" not in str(report)

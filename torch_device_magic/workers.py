@@ -258,6 +258,7 @@ class ChildWatch:
         self._forked: set[Key] = set()  # forked since the last look
         self._zombies: set[Key] = set()  # exited, not reaped, at the last look: counted then
         self._usage = _guarded_usage()  # the reaped children's figures at the last look
+        self._looked = False  # a first start looks: children from before are not new
         if self.sees:
             _watches.add(self)
             _register_fork_handler()
@@ -265,11 +266,12 @@ class ChildWatch:
     # --- per cell -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Where a child is known: which children are alive (their CPU time and peaks
-        reset), and the reaped children's figures to compare with at the end. What
-        exited between cells is no cell's."""
-        if not (self._live or self._forked or self._zombies):  # no child known
-            return
+        """Where a child is known, and at the first start: which children are alive
+        (their CPU time and peaks reset), and the reaped children's figures to compare
+        with at the end. What exited between cells is no cell's."""
+        if self._looked and not (self._live or self._forked or self._zombies):
+            return  # no child known
+        self._looked = True
         try:
             live, zombies = self._look(self._listed())
             for proc in live.values():
@@ -439,6 +441,7 @@ class ChildWatch:
         """A forked child starts with no children, and its files must be its own."""
         self._pid = os.getpid()
         self._live, self._roots, self._forked, self._zombies = {}, set(), set(), set()
+        self._looked = True  # it has no child yet
         # inherited fds name the parent's files: left open, never read in the child
         self._children_fds, self._ident, self._fd = {}, None, None
         self._usage = _guarded_usage()

@@ -8,17 +8,21 @@ whose count starts from nothing (`in_a_fresh_process`).
 
 from __future__ import annotations
 
+import csv
 import json
 import multiprocessing
 import os
+import subprocess
 import time
 import traceback
+from collections.abc import Callable
 
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu
 
+from torch_device_magic import workers
 from torch_device_magic.measure import Meter
-from torch_device_magic.workers import CONTAINER_NOTE, NONE, ChildWatch
+from torch_device_magic.workers import CONTAINER_NOTE, NONE, CellWorkers, ChildWatch
 
 MIB = 2**20
 
@@ -76,14 +80,14 @@ def test_a_data_loaders_workers_that_exited_are_counted_with_the_larger_peak(ip)
         "batches = list(loader(0))",  # smaller than the largest so far: only a bound
     ])
     for cell in (idle, touched):
-        assert (cell["workers"], cell["workers_exited"]) == (2, 2)
-        assert cell["workers_peak_bound"] is False
-        assert cell["workers_pss_bytes"] is None  # none alive at the end
+        assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 2)
+        assert cell["workers"]["peak_bound"] is False
+        assert cell["workers"]["pss_bytes"] is None  # none alive at the end
         assert ", workers 2 (exited), largest peak " in cell["line"]
     # A worker's peak counts the pages it shares with the kernel: the 64 MiB are on top.
-    assert touched["workers_peak_bytes"] - idle["workers_peak_bytes"] >= 60 * MIB
-    assert (smaller["workers"], smaller["workers_peak_bound"]) == (2, True)
-    assert smaller["workers_peak_bytes"] == touched["workers_peak_bytes"]
+    assert touched["workers"]["peak_bytes"] - idle["workers"]["peak_bytes"] >= 60 * MIB
+    assert (smaller["workers"]["count"], smaller["workers"]["peak_bound"]) == (2, True)
+    assert smaller["workers"]["peak_bytes"] == touched["workers"]["peak_bytes"]
     assert ", largest peak ≤ " in smaller["line"]
 
 
@@ -95,13 +99,13 @@ def test_live_workers_show_their_peak_and_pss_and_idle_ones_leave_later_cells(ip
     ip.run_cell("x = 1")  # two workers alive, not busy in this cell
     idle, shutdown, touched, quiet = records(ip, 4)
     for cell in (idle, touched):
-        assert (cell["workers"], cell["workers_exited"]) == (2, 0)
+        assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 0)
         assert ", workers 2, largest peak " in cell["line"] and ", PSS " in cell["line"]
-    assert touched["workers_peak_bytes"] - idle["workers_peak_bytes"] >= 60 * MIB
+    assert touched["workers"]["peak_bytes"] - idle["workers"]["peak_bytes"] >= 60 * MIB
     # PSS splits what the workers share with the kernel; their own 64 MiB each count whole.
-    assert touched["workers_pss_bytes"] - idle["workers_pss_bytes"] >= 120 * MIB
-    assert (shutdown["workers"], shutdown["workers_exited"]) == (2, 2)
-    assert quiet["workers"] == 0 and "workers" not in quiet["line"]
+    assert touched["workers"]["pss_bytes"] - idle["workers"]["pss_bytes"] >= 120 * MIB
+    assert (shutdown["workers"]["count"], shutdown["workers"]["exited"]) == (2, 2)
+    assert quiet["workers"] is None and "workers" not in quiet["line"]
     ip.run_cell("del touched")
 
 
@@ -110,6 +114,7 @@ def test_gpumem_gives_a_row_per_worker_and_devhistory_a_column(ip, capsys):
     report = ip.run_cell(
         "%%gpumem -o\ntouched = iter(loader(64, persistent_workers=True)); next(touched)"
     ).result
+    assert (report.workers.count, report.workers.exited) == (2, 0)
     pids = sorted(w.pid for w in report.processes)
     assert len(pids) == 2 and all(w.peak_bytes >= 64 * MIB for w in report.processes)
     text = str(report)
@@ -124,6 +129,23 @@ def test_gpumem_gives_a_row_per_worker_and_devhistory_a_column(ip, capsys):
     table = capsys.readouterr().out
     assert table.splitlines()[1].split()[-1] == "workers"
     assert "  2, largest peak " in table and "  2 (exited), largest peak " in table
+
+
+def test_a_record_keeps_the_workers_as_one_sub_record_and_the_csv_a_column_each(ip, tmp_path):
+    ip.run_cell(TOUCH)
+    ip.run_cell("batches = list(loader(0))")
+    ip.run_cell("x = 1")
+    loaded, quiet = ip.run_cell("%devhistory -o").result[-2:]
+    assert isinstance(loaded.workers, CellWorkers) and quiet.workers is None
+    assert (loaded.workers.count, loaded.workers.exited) == (2, 2)
+    ip.run_cell(f"%devhistory --csv {tmp_path}/cells.csv")
+    with open(tmp_path / "cells.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    loaded_row, quiet_row = rows[-3:-1]  # then the %devhistory -o cell
+    assert "workers" not in loaded_row
+    assert (loaded_row["workers_count"], loaded_row["workers_exited"]) == ("2", "2")
+    assert int(loaded_row["workers_peak_bytes"]) == loaded.workers.peak_bytes
+    assert all(quiet_row[f"workers_{name}"] == "" for name in ("count", "exited", "note"))
 
 
 def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_path):
@@ -149,9 +171,10 @@ def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_p
         "tmp.start_processes(nothing, nprocs=2, start_method='fork')",
         f"tmp.start_processes(train, args=({str(rendezvous)!r},), nprocs=2, start_method='fork')",
     ])
-    assert (launch["workers"], launch["workers_exited"], launch["workers_peak_bound"]) == (
-        2, 2, False)
-    assert launch["workers_peak_bytes"] - nothing["workers_peak_bytes"] >= 64 * MIB
+    assert launch["workers"] | {"peak_bytes": None} == {
+        "count": 2, "exited": 2, "uncounted": False, "peak_bytes": None, "peak_bound": False,
+        "pss_bytes": None, "device_bytes": None, "note": None}
+    assert launch["workers"]["peak_bytes"] - nothing["workers"]["peak_bytes"] >= 64 * MIB
     assert ", workers 2 (exited), largest peak " in launch["line"]
     assert ip.run_cell("torch.zeros(1).device.type").result == "meta"  # the kernel keeps it
 
@@ -172,22 +195,18 @@ def test_a_childs_children_count_too_and_an_exit_fork_did_not_start_is_seen(ip):
     ip.run_cell("os.system('true')")  # not forked by Python: seen as it exits
     ip.run_cell("os.kill(grandchild, 9); tree.join()")
     started, shell, ended = records(ip, 3)
-    assert (started["workers"], started["workers_exited"]) == (2, 0)
+    assert (started["workers"]["count"], started["workers"]["exited"]) == (2, 0)
     # The tree idles through the next cell: only the shell's exit is the cell's.
-    assert (shell["workers"], shell["workers_uncounted"]) == (1, True)
+    assert (shell["workers"]["count"], shell["workers"]["uncounted"]) == (1, True)
     assert ", workers 1+ (exited), largest peak " in shell["line"]
-    assert (ended["workers"], ended["workers_exited"]) == (2, 2)
+    assert (ended["workers"]["count"], ended["workers"]["exited"]) == (2, 2)
 
 
-def test_a_cell_without_children_reads_zero_workers_and_says_nothing(ip):
+def test_a_cell_without_children_records_no_workers_and_says_nothing(ip):
     ip.run_cell("y = torch.ones(3)")
     (cell,) = records(ip, 1)
-    assert cell["workers"] == 0 and cell["workers_peak_bytes"] is None
+    assert cell["workers"] is None
     assert "workers" not in cell["line"]
-    watch = ChildWatch()
-    watch.start()
-    assert watch.stop() is NONE
-    watch.close()
 
 
 # --- device memory per worker: NVML's per-process list on the fake GPU machine ----------------
@@ -217,7 +236,7 @@ def test_each_workers_gpu_memory_comes_from_nvmls_process_list(monkeypatch, list
         child.kill()
         child.join()
         meter.close()
-    assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, shown, note)
+    assert (m.workers.count, m.workers.device_bytes, m.workers.note) == (1, shown, note)
     (worker,) = meter.workers.processes
     assert worker.pid == child.pid and worker.device_bytes == shown
     if note:
@@ -237,7 +256,7 @@ def test_without_nvml_the_workers_have_no_gpu_figure_and_no_note(monkeypatch):
         child.kill()
         child.join()
         meter.close()
-    assert (m.workers, m.workers_device_bytes, m.workers_note) == (1, None, None)
+    assert (m.workers.count, m.workers.device_bytes, m.workers.note) == (1, None, None)
 
 
 # --- the real launches on a GPU (scripts/gpu-check) ---------------------------------------------
@@ -264,9 +283,9 @@ def test_a_fork_launch_on_cuda_works_with_the_extension_loaded(ip):
     )
     (cell,) = records(ip, 1)
     ip.run_cell("ready.wait()\nwhile not procs.join(): pass")
-    assert (cell["workers"], cell["workers_exited"]) == (2, 0)
-    if cell["workers_note"] is None:  # outside a container NVML names them
-        assert cell["workers_device_bytes"] >= 2 * 256 * MIB
+    assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 0)
+    if cell["workers"]["note"] is None:  # outside a container NVML names them
+        assert cell["workers"]["device_bytes"] >= 2 * 256 * MIB
         assert ", GPU " in cell["line"]
     assert ip.run_cell("torch.cuda.is_initialized()").result is False
 
@@ -287,5 +306,167 @@ def test_accelerate_notebook_launcher_works_with_the_extension_loaded(ip):
         "notebook_launcher(train, num_processes=2)"
     )
     (cell,) = records(ip, 1)
-    assert (cell["workers"], cell["workers_exited"]) == (2, 2)
-    assert cell["workers_peak_bytes"] is not None
+    assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 2)
+    assert cell["workers"]["peak_bytes"] is not None
+
+
+# --- which processes are the cell's (issue 20, points 8-11) -----------------------------------
+
+ZOMBIE = (
+    "import multiprocessing, time\n"
+    "fork = multiprocessing.get_context('fork')\n"
+    "def state(pid):\n"
+    "    with open(f'/proc/{pid}/stat') as f:\n"
+    "        return f.read().rsplit(')', 1)[1].split()[0]\n"
+)
+
+
+def test_a_finished_unjoined_process_is_a_worker_of_the_cell_it_exited_in_only(ip):
+    ip.run_cell(ZOMBIE)
+    ip.run_cell(
+        "done = fork.Process(target=int); done.start()\n"
+        "while state(done.pid) != 'Z':  # exited, and nobody joins it: a zombie\n"
+        "    time.sleep(0.01)"
+    )
+    ip.run_cell("x = 1")
+    ip.run_cell("x = 2")
+    ip.run_cell("done.join()")  # reaped here, but it exited two cells ago
+    exited, later, again, joined = records(ip, 4)
+    assert ", workers 1 (exited), largest peak n/a" in exited["line"]
+    for cell in (later, again, joined):
+        assert "workers" not in cell["line"]
+        assert cell["workers"] is None
+
+
+def test_a_reused_pid_is_a_new_process(ip):
+    """A worker reaped in the cell and another forked with its pid: one exited, one
+    running; the second's exit is the cell it really exits in."""
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("needs /proc/sys/kernel/ns_last_pid writable (root) to hand out a pid again")
+    ip.run_cell(
+        ZOMBIE + "def again(pid):  # a sleeping child, with `pid` where the kernel allows\n"
+        "    with open('/proc/sys/kernel/ns_last_pid', 'w') as f:\n"
+        "        f.write(str(pid - 1))\n"
+        "    child = fork.Process(target=time.sleep, args=(30,))\n"
+        "    child.start()\n"
+        "    return child\n"
+    )
+    for _ in range(10):  # other processes on the machine may take the pid first
+        ip.run_cell("first = fork.Process(target=time.sleep, args=(30,)); first.start()")
+        ip.run_cell("first.kill(); first.join(); second = again(first.pid)")
+        ip.run_cell("second.kill(); second.join()")
+        if ip.user_ns["second"].pid == ip.user_ns["first"].pid:
+            break
+    else:
+        pytest.skip("another process took the pid every time")
+    _, both, second = records(ip, 3)
+    assert ", workers 2 (1 exited), largest peak " in both["line"]
+    assert ", workers 1 (exited), largest peak " in second["line"]
+
+
+def test_a_peak_reaped_cells_ago_is_only_a_bound_and_subprocess_children_are_seen(ip):
+    """getrusage keeps the session's largest reaped child: a script's 512 MiB two cells
+    before is not the peak of a later cell's children. The script's own cell shows it
+    (exactly: the figure rose there) as one exited child at least (nothing counted it)."""
+    script, between, spawned, _ = in_a_fresh_process(ip, [
+        "import multiprocessing, subprocess, sys, time\n"
+        "subprocess.run([sys.executable, '-c', 'b = b\"x\" * (512 << 20)'], check=True)",
+        "x = 1",
+        # a spawned child (and multiprocessing's resource tracker, which is no worker),
+        # and a shell child's exit
+        "slow = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(30,))\n"
+        "slow.start()\n"
+        "subprocess.run(['true'], check=True)",
+        "slow.kill(); slow.join()",
+    ])
+    assert ", workers 1+ (exited), largest peak " in script["line"]
+    assert script["workers"]["peak_bytes"] >= 512 * MIB
+    assert script["workers"]["peak_bound"] is False
+    assert between["workers"] is None
+    assert ", workers 2+ (1 exited), largest peak ≤ " in spawned["line"]
+    assert spawned["workers"]["peak_bound"] is True
+
+
+def test_a_running_popen_is_seen_in_a_process_that_had_children(ip):
+    ip.run_cell("import subprocess\nsleeper = subprocess.Popen(['sleep', '30'])")
+    ip.run_cell("sleeper.kill(); sleeper.wait()")
+    started, ended = records(ip, 2)
+    assert ", workers 1, largest peak " in started["line"]
+    assert started["workers"]["exited"] == 0 and started["workers"]["pss_bytes"] is not None
+    assert ", workers 1 (exited), largest peak " in ended["line"]
+
+
+@pytest.mark.parametrize("helper", ["resource_tracker", "forkserver"])
+def test_multiprocessings_helpers_are_not_the_cells_workers(ip, helper):
+    ip.run_cell(ZOMBIE)
+    (cell,) = in_a_fresh_process(ip, [
+        f"import multiprocessing.{helper} as helper\n"
+        "helper.ensure_running()\n"
+        "child = fork.Process(target=int); child.start(); child.join()"
+    ])
+    assert ", workers 1 (exited), largest peak " in cell["line"]
+
+
+def in_a_child(check: Callable[[], list]) -> list:
+    """`check()`'s answer, run in a child forked from this process (which has no child)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            answer = check()
+        except BaseException:
+            answer = [traceback.format_exc()]
+        finally:
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(answer))
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got:
+        answer = json.loads(got.read())
+    os.waitpid(pid, 0)
+    return answer
+
+
+def test_a_quick_cell_without_a_child_known_reads_nothing_and_a_longer_one_sees_a_shell_child():
+    def check() -> list:
+        watch = ChildWatch()
+        watch.start()  # the first start looks: no child
+        watch.stop(elapsed_s=50e-6)
+        looked: list[str] = []
+        watch._listed = lambda: looked.append("listed") or set()  # type: ignore[method-assign]
+        usage = watch._usage
+        watch.start()
+        quick = watch.stop(elapsed_s=50e-6)  # quicker than any process's start and end
+        first = [quick is NONE, looked[:], watch._usage is usage]
+        watch.start()
+        subprocess.run(["true"], check=True)  # not forked by Python: seen as it is reaped
+        found = watch.stop(elapsed_s=0.01)
+        return [*first, found.count, found.exited, found.uncounted, looked]
+
+    assert in_a_child(check) == [True, [], True, 1, 1, True, ["listed"]]
+
+
+def test_a_pid_multiprocessing_still_lists_but_another_process_has_is_no_worker(monkeypatch):
+    """multiprocessing keeps a Process reaped through `exitcode` among its children, so
+    its pid may since name a process of someone else's (here: pytest's parent)."""
+    other = os.getppid()
+    monkeypatch.setattr(workers, "_mp_children", lambda: [object()])
+    monkeypatch.setattr(workers, "_mp_pids", lambda: {other})
+    watch = ChildWatch()
+    try:
+        watch.start()
+        found = watch.stop(elapsed_s=0.01)
+    finally:
+        watch.close()
+    assert other not in {w.pid for w in found.processes}
+
+
+def test_gpumem_does_not_take_a_pool_idle_in_its_cell_for_its_workers(ip):
+    """%%gpumem measures with a Meter of its own, which has not seen the pool start: the
+    workers alive before its cell and idle in it are not its."""
+    ip.run_cell(TOUCH)
+    ip.run_cell("pool = loader(0, persistent_workers=True); batches = list(pool)")  # then idle
+    report = ip.run_cell("%%gpumem -o\nx = sum(range(10**5))").result
+    ip.run_cell("del pool")
+    assert report.workers is None and report.processes == []
+    assert "workers" not in str(report)

@@ -19,7 +19,7 @@ there before, never the objects.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -89,8 +89,8 @@ class GpumemReport(Measurement):
                 rows.append(["also changed", f"{self.other_devices} (synchronised, not shown)"])
             if self.device_error is not None:
                 rows.append(["error at the end", self.device_error])
-        if self.workers:
-            rows.append(["workers", self.workers_summary()])
+        if self.workers is not None:
+            rows.append(["workers", self.workers.summary()])
         out = [Table(title, ["measure", "value"], rows)]
         if self.processes:
             out.append(self._workers_table())
@@ -109,7 +109,8 @@ class GpumemReport(Measurement):
 
     def _workers_table(self) -> Table:
         """A row per worker: its peak and PSS, and on a GPU its memory there (NVML)."""
-        gpu = self.workers_note is not None or any(
+        note = None if self.workers is None else self.workers.note
+        gpu = note is not None or any(
             w.device_bytes is not None for w in self.processes
         )
         headers = ["pid", "state", "peak", "PSS at the end"] + (["GPU (NVML)"] if gpu else [])
@@ -127,8 +128,8 @@ class GpumemReport(Measurement):
                 "an exited worker's peak is not kept process by process: the largest is in "
                 "the workers row (getrusage)"
             )
-        if self.workers_note is not None:
-            notes.append(self.workers_note)
+        if note is not None:
+            notes.append(note)
         return Table("the cell's worker processes", headers, rows, notes)
 
     def _allocated(self) -> str:
@@ -178,7 +179,7 @@ def measure(
         meter.close()
     accel = None if measured.device is None else active_accelerator(measured.device)
     report = GpumemReport(
-        **measured.as_dict(),
+        **{f.name: getattr(measured, f.name) for f in fields(Measurement)},  # workers kept whole
         device_description=None if accel is None else accel.description(),
         allocator=None if accel is None else accel.allocator(),
         nvml_used_bytes=nvml_used_bytes(accel),

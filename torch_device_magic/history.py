@@ -72,7 +72,7 @@ class History:
         if any(r.workers for r in self._records):  # a column only where a cell had workers
             headers = [*HEADERS, "workers"]
             for row, r in zip(rows, self._records):
-                row.append(r.workers_summary() or "-")
+                row.append("-" if r.workers is None else r.workers.summary())
         # A column that no row has (the device's, on a CPU machine) is left out.
         kept = [i for i in range(len(headers)) if any(row[i] not in ("n/a", "-") for row in rows)]
         headers = [headers[i] for i in kept]
@@ -113,8 +113,7 @@ class History:
                 writer = csv.writer(f)
                 writer.writerow(names)
                 for r in self._records:
-                    values = (getattr(r, n) for n in names)
-                    writer.writerow(["" if v is None else v for v in values])
+                    writer.writerow(["" if v is None else v for v in r.row()])
         except OSError as err:
             raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from err
         return len(self._records)

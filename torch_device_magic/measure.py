@@ -34,7 +34,7 @@ from .probes import (
     nvml_process_bytes,
 )
 from .units import fmt_bytes, fmt_seconds
-from .workers import NONE, ChildWatch, Workers, with_device_memory
+from .workers import NONE, CellWorkers, ChildWatch, Workers, with_device_memory
 
 
 @dataclass(slots=True)
@@ -53,20 +53,24 @@ class Measurement:
     cell: int | None = None  # the cell number, in the per-cell history
     other_devices: str | None = None  # 'cuda:1 cuda:2': also changed, synchronised, not shown
     device_error: str | None = None  # an accelerator error that surfaced at the end-of-cell sync
-    # The cell's child processes (workers.py): 0 for none; None where not looked for.
-    workers: int | None = None
-    workers_exited: int | None = None  # of them, exited before the end of the cell
-    workers_uncounted: bool | None = None  # True: more exited than counted (not forked)
-    workers_peak_bytes: int | None = None  # the largest one's RSS high-water mark
-    workers_peak_bound: bool | None = None  # True: an exited one's, known only as at most this
-    workers_pss_bytes: int | None = None  # total PSS of those alive at the end
-    workers_device_bytes: int | None = None  # their GPU memory at the end (NVML)
-    workers_note: str | None = None  # why a worker figure could not be read
+    # The cell's child processes (workers.py); None: none seen (or not looked for).
+    workers: CellWorkers | None = None
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        """The record's fields in order, as `%devhistory --csv` writes them."""
-        return [f.name for f in fields(cls)]
+    @staticmethod
+    def field_names() -> list[str]:
+        """The record's columns in order, as `%devhistory --csv` writes them: the workers'
+        figures each in a column of their own (`workers_count`, `workers_peak_bytes`, ...)."""
+        return [f.name for f in fields(Measurement) if f.name != "workers"] + [
+            f"workers_{f.name}" for f in fields(CellWorkers)
+        ]
+
+    def row(self) -> list[Any]:
+        """The values of `field_names()`, in order (None where not measured)."""
+        own = [getattr(self, f.name) for f in fields(Measurement) if f.name != "workers"]
+        workers = self.workers
+        return own + [
+            None if workers is None else getattr(workers, f.name) for f in fields(CellWorkers)
+        ]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,25 +85,6 @@ class Measurement:
         )
         return max((abs(b) for b in figures if b is not None), default=0)
 
-    def workers_summary(self) -> str:
-        """'2 (exited), largest peak 412.0 MiB, PSS 0 B', or "" for a cell without workers."""
-        if not self.workers:
-            return ""
-        exited = self.workers_exited or 0
-        state = (
-            "" if not exited else " (exited)" if exited >= self.workers else f" ({exited} exited)"
-        )
-        bound = "≤ " if self.workers_peak_bound else ""
-        text = (
-            f"{self.workers}{'+' if self.workers_uncounted else ''}{state}, "
-            f"largest peak {bound}{fmt_bytes(self.workers_peak_bytes)}"
-        )
-        if self.workers_pss_bytes is not None:
-            text += f", PSS {fmt_bytes(self.workers_pss_bytes)}"
-        if self.workers_device_bytes is not None:
-            text += f", GPU {fmt_bytes(self.workers_device_bytes)}"
-        return text if self.workers_note is None else f"{text} ({self.workers_note})"
-
     def summary(self, note: str = "") -> str:
         """The compact line: time (and `note`: ' (profiled)'), then device and host memory
         (`n/a` where not measured), and the cell's workers where it had any."""
@@ -110,8 +95,8 @@ class Measurement:
                 f"host {fmt_bytes(self.host_delta_bytes, signed=True)}"
                 f" (peak {fmt_bytes(self.host_peak_bytes)})"
             )
-        if self.workers:
-            host += f", workers {self.workers_summary()}"
+        if self.workers is not None:
+            host += f", workers {self.workers.summary()}"
         if self.device is None:
             return f"time {fmt_seconds(self.wall_s)}{note} | {host}"
         # Events time the device's current stream only: work on other streams is not in it.
@@ -242,7 +227,6 @@ class Meter:
     def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:
         self.host = host if host is not None else host_probe()
         self.children = ChildWatch()
-        self._no_workers = 0 if self.children.sees else None  # None: not looked for
         self.workers: Workers = NONE  # the last stop's, process by process (for %%gpumem)
         self.sync = sync
         self._kinds = built_kinds()
@@ -322,22 +306,14 @@ class Meter:
 
     def _workers(self, m: Measurement) -> Measurement:
         """`m` with the cell's workers (read after the clock stopped)."""
-        found = self.workers = self.children.stop()
-        if found is NONE or not found.count:  # none, or only children idle in the cell
-            m.workers = self._no_workers
+        found = self.workers = self.children.stop(m.wall_s)
+        if found is NONE:  # the usual: no child
             return m
-        m.workers = found.count
         if cuda_built() and any(not w.exited for w in found.processes):
             per_pid = nvml_process_bytes()[0]
             if per_pid is not None:
                 found = self.workers = with_device_memory(found, per_pid)
-        m.workers_exited = found.exited
-        m.workers_uncounted = found.uncounted
-        m.workers_peak_bytes = found.peak_bytes
-        m.workers_peak_bound = found.peak_bound
-        m.workers_pss_bytes = found.pss_bytes
-        m.workers_device_bytes = found.device_bytes
-        m.workers_note = found.device_note
+        m.workers = found.figures()  # None where only children idle in the cell were seen
         return m
 
     def _quiet(self, delta: int | None, wall_s: float) -> bool:

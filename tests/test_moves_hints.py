@@ -45,3 +45,37 @@ def test_the_cell_that_started_cuda_is_still_named_after_a_reload(shell, monkeyp
     show(shell, "raise error")  # the launcher hint names it too
     out = capsys.readouterr().out
     assert f"  {named}.\n" in out and "before torch_device_magic watched" not in out
+
+
+# --- 19: the mismatch hint names what the code uses, not words of comments or strings ----
+
+MISMATCH_SETUP = """\
+big = torch.nn.Linear(3, 3, device='meta')
+X = torch.ones(2, 3)
+model = torch.nn.Linear(3, 3)
+a = torch.ones(1)
+"""
+
+
+@pytest.mark.parametrize("cell", [
+    "big(X)   # not the model, not a",
+    's = "model a"; big(X)',
+    "big(X)  # model\n'''a model\nstring'''",
+    "%time big(X)  # a model",
+])
+def test_the_mismatch_hint_names_only_what_the_code_uses(ip, capsys, cell):
+    ip.run_cell(MISMATCH_SETUP)
+    capsys.readouterr()
+    result = show(ip, cell)
+    assert isinstance(result.error_in_exec, RuntimeError)
+    out = capsys.readouterr().out
+    assert f"{PREFIX} the tensors this operation got are on different devices." in out
+    assert "  The cell uses: big (meta), X (cpu)\n" in out
+
+
+def test_an_attribute_is_not_taken_for_a_global_of_its_name(ip, capsys):
+    ip.run_cell("weight = torch.ones(3)\nb = torch.ones(3, device='meta')\n"
+                "lin = torch.nn.Linear(3, 3)")
+    capsys.readouterr()
+    show(ip, "lin.weight + b")
+    assert "  The cell uses: lin (cpu), b (meta)\n" in capsys.readouterr().out

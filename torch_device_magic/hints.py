@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from .cells import reach
+from .cells import code_words, reach
 from .namespace import TensorRow, scan
 from .probes import free_and_total, torch_default_device
 from .units import fmt_bytes
@@ -89,8 +89,7 @@ def hint(
 def _mismatch(
     message: str, namespace: dict[str, object], source: str, session: torch.device | None
 ) -> str:
-    words = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", source))  # in order, once each
-    used = [name for name in words if name in namespace]
+    used = [name for name in code_words(source) if name in namespace]
     reached = reach(namespace, used)  # and what the notebook functions it calls read
     used += sorted(reached.names - set(used))
     rows = scan({name: namespace[name] for name in used}).rows

@@ -79,3 +79,26 @@ def test_an_attribute_is_not_taken_for_a_global_of_its_name(ip, capsys):
     capsys.readouterr()
     show(ip, "lin.weight + b")
     assert "  The cell uses: lin (cpu), b (meta)\n" in capsys.readouterr().out
+
+
+# --- issue 23, 17: the DataLoader hint under meta offers two ways out, and both work -----
+
+LOADER = "loader = DataLoader(list(range(10)), shuffle=True, batch_size=2)\n"
+SECOND_WAY = "  or iterate it under `with torch.device('cpu'):` (the CPU for the tensors made inside only)"
+
+
+@pytest.mark.parametrize(("before", "magic"), [("%device meta", ""), ("", "%%ondevice meta\n")])
+def test_the_data_loader_hint_under_meta_offers_a_second_way_that_works(ip, capsys, before,
+                                                                         magic):
+    ip.run_cell(f"from torch.utils.data import DataLoader\n{before}")
+    cell = magic + LOADER
+    capsys.readouterr()
+    show(ip, cell + "next(iter(loader))")
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith(PREFIX)))
+    assert lines[at + 1].startswith("  Either keep factory functions on the CPU: ")
+    assert lines[at + 2] == SECOND_WAY
+    # As it says: the batches come, while the cell's other tensors stay on meta.
+    ip.run_cell(cell + "with torch.device('cpu'):\n    batch = next(iter(loader))\n"
+                "after = torch.zeros(1)")
+    assert ip.user_ns["batch"].device.type == "cpu" and ip.user_ns["after"].is_meta

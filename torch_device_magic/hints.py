@@ -224,7 +224,12 @@ def _data_loader(default: torch.device, session: torch.device | None, ondevice: 
         f"which {who} set to {default}.",
         f"  Either keep factory functions on the CPU: {off}",
     ]
-    if default.type != "meta":  # meta makes no random numbers at all
+    if default.type == "meta":
+        # Meta makes no random numbers, and a CPU generator does not help: the DataLoader
+        # draws its seed into a tensor it makes on the default device.
+        lines.append("  or iterate it under `with torch.device('cpu'):` (the CPU for the "
+                     "tensors made inside only)")
+    else:
         lines.append(
             f"  or give it a generator there: DataLoader(..., generator=torch.Generator("
             f"device={str(default)!r}))"

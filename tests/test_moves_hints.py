@@ -8,6 +8,8 @@ import torch
 from fakegpu import FakeMachine, Gpu
 from IPython.core.error import UsageError
 
+from torch_device_magic.probes import cuda_built
+
 PREFIX = "Hint (torch_device_magic):"
 LAUNCHER_ERROR = RuntimeError(
     "CUDA has been initialized before the `notebook_launcher` could create a forked subprocess."
@@ -84,7 +86,8 @@ def test_an_attribute_is_not_taken_for_a_global_of_its_name(ip, capsys):
 # --- issue 23, 17: the DataLoader hint under meta offers two ways out, and both work -----
 
 LOADER = "loader = DataLoader(list(range(10)), shuffle=True, batch_size=2)\n"
-SECOND_WAY = "  or iterate it under `with torch.device('cpu'):` (the CPU for the tensors made inside only)"
+SECOND_WAY = ("  or iterate it under `with torch.device('cpu'):` (the CPU for the tensors made "
+              "inside only)")
 
 
 @pytest.mark.parametrize(("before", "magic"), [("%device meta", ""), ("", "%%ondevice meta\n")])
@@ -102,3 +105,21 @@ def test_the_data_loader_hint_under_meta_offers_a_second_way_that_works(ip, caps
     ip.run_cell(cell + "with torch.device('cpu'):\n    batch = next(iter(loader))\n"
                 "after = torch.zeros(1)")
     assert ip.user_ns["batch"].device.type == "cpu" and ip.user_ns["after"].is_meta
+
+
+# --- issue 23, 12: %device cuda on a torch without CUDA says what to do -------------------
+
+
+def test_device_cuda_on_a_cpu_build_says_how_to_get_cuda(ip):
+    if cuda_built():
+        pytest.skip("this torch is a build with CUDA")
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("device", "cuda")
+    message = str(err.value)
+    assert message.startswith(
+        f"cuda is not available (cuda: torch {torch.__version__} is a build without CUDA): "
+        "install a CUDA build of torch (on Linux: pip install --force-reinstall torch;"
+    )
+    assert "on Colab choose a GPU under Runtime > Change runtime type" in message
+    assert message.endswith("this machine has cpu") and "\n" not in message
+    assert ip.user_ns.get("device") is None

@@ -123,3 +123,26 @@ def test_device_cuda_on_a_cpu_build_says_how_to_get_cuda(ip):
     assert "on Colab choose a GPU under Runtime > Change runtime type" in message
     assert message.endswith("this machine has cpu") and "\n" not in message
     assert ip.user_ns.get("device") is None
+
+
+# --- issue 23, 14: --restore -v lists the names once, and says nothing of an empty restore
+
+
+def test_restore_verbose_lists_the_names_once(ip, capsys):
+    ip.run_cell("x = torch.ones(3)\nm = torch.nn.Linear(2, 2)")
+    capsys.readouterr()
+    ip.run_cell("%%ondevice meta --restore -v\ny = x + 1\nm.weight.shape;")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("moved 36 B to meta in ")
+    assert out[1:5] == ["name  bytes", "----  -----", "m      24 B", "x      12 B"]
+    assert out[5] == "restored 3 tensors from meta (the originals put back)"
+    assert sum(line.startswith("x ") for line in out) == 1
+    assert ip.user_ns["x"].device.type == "cpu" and torch.equal(ip.user_ns["x"], torch.ones(3))
+
+
+def test_restore_verbose_with_nothing_moved_says_only_that(ip, capsys):
+    ip.run_cell("x = torch.ones(3)")
+    capsys.readouterr()
+    ip.run_cell("%%ondevice meta --restore -v\nz = 1")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "nothing to move to meta" and out[1].startswith("time ")  # the report

@@ -407,8 +407,8 @@ class TorchDeviceMagics(Magics):
                     # The cell's own error (a sticky CUDA error, say) is the one raised.
                     print(f"%%ondevice --restore could not send back what moved: {restore_error}")
                 else:
-                    if args.verbose:
-                        display(back.table())
+                    if args.verbose and (back.names or back.restored):
+                        display(back.table(rows=False))  # the move's table listed the names
                     for line in back.said:
                         print(line)
                     moving.deliver(back)  # held back until it was done and shown

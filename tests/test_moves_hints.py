@@ -146,3 +146,55 @@ def test_restore_verbose_with_nothing_moved_says_only_that(ip, capsys):
     ip.run_cell("%%ondevice meta --restore -v\nz = 1")
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "nothing to move to meta" and out[1].startswith("time ")  # the report
+
+
+# --- 18: no move onto meta that loses data with no way back ------------------------------
+
+REFUSED = (
+    "Moving model (16 B), x (16 B) to meta would lose their data for good (meta tensors hold "
+    "none); nothing was moved: %%ondevice meta --restore runs a cell on meta and gives back "
+    "what it moved"
+)
+
+
+def user_state(ip):
+    """What a refused line must leave as it was: bindings, devices, data, the default."""
+    names = {k: v for k, v in ip.user_ns.items() if not k.startswith("_") and k != "In"}
+    tensors = [t for v in names.values() for t in (
+        list(v.parameters()) if isinstance(v, torch.nn.Module) else [v]
+    ) if isinstance(t, torch.Tensor)]
+    data = [(t, t.device, t.clone()) for t in tensors if not t.is_meta]
+    return names, data, torch.get_default_device()
+
+
+def same_state(before, after) -> bool:
+    names, data, default = before
+    return names == after[0] and default == after[2] and all(
+        t.device == dev and torch.equal(t, copy) for t, dev, copy in data
+    )
+
+
+@pytest.mark.parametrize("line", ["%device meta --move", "%%ondevice meta\nran = model(x[:2])",
+                                  "%%ondevice meta --all\nran = 1"])
+def test_a_move_that_would_lose_data_on_meta_is_refused_in_one_line(ip, capsys, line):
+    ip.run_cell("model = torch.nn.Linear(2, 2, bias=False)\nx = torch.arange(4.0)\n"
+                "shape_only = torch.ones(3, device='meta')\nn = 3")
+    before = user_state(ip)
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(line)
+    assert str(err.value) == REFUSED
+    assert "ran" not in ip.user_ns and same_state(before, user_state(ip))
+    assert "device" not in ip.user_ns  # %device did not change the session device either
+    ip.run_cell("%%ondevice meta --restore\nran = model(x[:2])")  # the way it points to
+    assert ip.user_ns["ran"].is_meta and ip.user_ns["x"].device.type == "cpu"
+    assert torch.equal(ip.user_ns["x"], torch.arange(4.0))
+
+
+def test_tensors_already_on_meta_hold_no_data_and_may_move(ip):
+    ip.run_cell("shape_only = torch.ones(3, device='meta')\nnet = torch.nn.Linear(2, 2, "
+                "device='meta')\nempty = torch.ones(0)\nn = 3")
+    ip.run_cell("%%ondevice meta\nout = net(shape_only[:2])\nalso = empty + 1")
+    assert ip.user_ns["out"].is_meta and ip.user_ns["empty"].is_meta  # 0 bytes: no data
+    ip.run_cell("%device meta --move")
+    assert ip.user_ns["device"] == torch.device("meta")
+    assert torch.zeros(1).is_meta

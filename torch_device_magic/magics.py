@@ -234,7 +234,8 @@ class TorchDeviceMagics(Magics):
         CUDA's current device (queued until CUDA starts; nothing starts now).
         `--move` also moves every tensor, model and optimizer in the namespace
         there, all or nothing, as `%%ondevice --all` does (`%device reset --move`
-        to the CPU).
+        to the CPU); to meta, which holds no data, it is refused while a tensor
+        holds some (`%%ondevice meta --restore` runs a cell there and gives it back).
         """
         args = parse(self.device, line)
         if args.spec is None:
@@ -249,7 +250,8 @@ class TorchDeviceMagics(Magics):
         else:
             dev, why = self._resolve(args.spec)
         if args.move:  # first: a move that fails changes nothing, the current device neither
-            moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
+            moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"),
+                                keep_data=True)
         self.session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
@@ -349,6 +351,8 @@ class TorchDeviceMagics(Magics):
         - Optimizer state follows its parameters; `step` stays on the CPU
           unless the group is capturable or fused, as torch keeps it.
         - --all moves every name of yours (not `_`-prefixed or IPython's own).
+        - Meta holds no data: without --restore, a move there of tensors that hold
+          some is refused in one line (tensors already on meta, or empty, may move).
         - --restore sends back what the names held, with what the cell did to
           it, each tensor where it was (a model split across devices comes
           back split); optimizer state and parameters the cell added to a
@@ -382,7 +386,8 @@ class TorchDeviceMagics(Magics):
         names = sorted({*names, *found.names})
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
-            moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
+            moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
+                                keep_data=True)
             # A Ctrl-C once the move was done goes to the SIGINT handler now, inside the
             # try: if it raises (Python's does), what moved is restored below.
             moving.deliver(moved)

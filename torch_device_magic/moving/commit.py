@@ -23,6 +23,7 @@ from torch import Tensor
 from .. import probes
 from ..errors import DeviceMagicError, first_sentence
 from ..tensors import children, is_container
+from ..units import fmt_bytes
 from .copy import _copy_all, _failure, _inference
 from .plan import _IS_META, _REBINDABLE, _canonical, _first_target, _label, _pick, _Plan
 from .result import MoveResult, _Undo
@@ -39,9 +40,16 @@ _MISSING = object()
 
 
 def move(
-    ns: dict, names: Iterable[str], device: torch.device, *, restorable: bool = False
+    ns: dict,
+    names: Iterable[str],
+    device: torch.device,
+    *,
+    restorable: bool = False,
+    keep_data: bool = False,
 ) -> MoveResult:
     """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`).
+    With `keep_data` (the user's own objects, not copies), a move to meta that would drop
+    data with no way back (not `restorable`) is refused before anything changes.
 
     Each tensor's bytes count once, under the first name that reaches it, taking the names
     in alphabetical order but those bound to an optimizer last: a model's parameters count
@@ -52,6 +60,8 @@ def move(
     names.sort(key=lambda n: isinstance(ns[n], torch.optim.Optimizer))  # stable
     plan = _Plan.to(device)
     plan.walk(ns, names)
+    if keep_data and not restorable and device.type == "meta":
+        _refuse_dropping_data(plan)
     undo = None
     if restorable:
         undo = _Undo(names, {}, plan.module_home)
@@ -60,6 +70,22 @@ def move(
             undo.optimizer_state, undo.values = plan.optimizer_snapshots()
             undo.bindings = {name: ns[name] for name in names}
     return _execute(plan, ns, device, undo)
+
+
+def _refuse_dropping_data(plan: _Plan) -> None:
+    """Refuse a move to meta of anything that holds data (those already on meta hold none,
+    and the plan leaves them out): meta keeps shapes only."""
+    held = [(name, n) for name, first, last in plan.names if (n := sum(plan.nbytes[first:last]))]
+    if not held:
+        return
+    what = ", ".join(f"{name} ({fmt_bytes(n)})" for name, n in held[:3])
+    if len(held) > 3:
+        what += f" and {len(held) - 3} more"
+    raise DeviceMagicError(
+        f"Moving {what} to meta would lose {'its' if len(held) == 1 else 'their'} data for "
+        "good (meta tensors hold none); nothing was moved: %%ondevice meta --restore runs a "
+        "cell on meta and gives back what it moved"
+    )
 
 
 def _execute(

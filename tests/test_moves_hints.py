@@ -198,3 +198,32 @@ def test_tensors_already_on_meta_hold_no_data_and_may_move(ip):
     ip.run_cell("%device meta --move")
     assert ip.user_ns["device"] == torch.device("meta")
     assert torch.zeros(1).is_meta
+
+
+# --- 17: a Ctrl-C between the cell's end and the restore still restores -------------------
+
+
+@pytest.mark.parametrize("cell", ["y = x * 2", "y = x * 2\n1 / 0"])
+def test_a_ctrl_c_between_the_cells_end_and_the_restore_loses_nothing(ip, monkeypatch, capsys,
+                                                                       cell):
+    import os
+    import signal
+
+    from torch_device_magic import moving
+
+    x = torch.arange(4.0)
+    ip.user_ns["x"] = x
+    restore = moving.restore
+
+    def ctrl_c_first(*args, **kwargs):  # a real SIGINT, as the restore is called
+        os.kill(os.getpid(), signal.SIGINT)
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(moving, "restore", ctrl_c_first)
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("ondevice", "meta --restore", cell)
+    assert ip.user_ns["y"].is_meta  # the cell ran
+    assert ip.user_ns["x"] is x and x.device.type == "cpu"  # back, with its data
+    assert torch.equal(x, torch.arange(4.0))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "Ctrl-C during --restore: it finished first" in capsys.readouterr().out

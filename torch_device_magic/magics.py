@@ -384,7 +384,7 @@ class TorchDeviceMagics(Magics):
                  else cells.names_read(self.shell, cell))
         found = cells.reach(self.shell.user_ns, names)  # what the notebook functions it calls read
         names = sorted({*names, *found.names})
-        moved, failed = None, False
+        moved, failed, hold = None, False, moving.SigintHold()
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
                                 keep_data=True)
@@ -404,19 +404,28 @@ class TorchDeviceMagics(Magics):
             raise
         finally:
             if args.restore and moved is not None:
-                try:
-                    back = moving.restore(self.shell.user_ns, moved)
-                except Exception as restore_error:
-                    if not failed:
-                        raise
-                    # The cell's own error (a sticky CUDA error, say) is the one raised.
-                    print(f"%%ondevice --restore could not send back what moved: {restore_error}")
-                else:
-                    if args.verbose and (back.names or back.restored):
-                        display(back.table(rows=False))  # the move's table listed the names
-                    for line in back.said:
-                        print(line)
-                    moving.deliver(back)  # held back until it was done and shown
+                # First, and in C: a Ctrl-C from the cell's end on waits for the restore.
+                hold.replaced = hold.engage()
+                self._restore(moved, hold, failed, args.verbose)
+
+    def _restore(
+        self, moved: moving.MoveResult, hold: moving.SigintHold, failed: bool, verbose: bool
+    ) -> None:
+        """--restore under `hold`, engaged: what moved goes back and is shown, then the
+        Ctrl-Cs held since the cell ended reach the SIGINT handler."""
+        with hold:
+            try:
+                back = moving.restore(self.shell.user_ns, moved, hold)
+            except Exception as restore_error:
+                if not failed:
+                    raise
+                # The cell's own error (a sticky CUDA error, say) is the one raised.
+                print(f"%%ondevice --restore could not send back what moved: {restore_error}")
+            else:
+                if verbose and (back.names or back.restored):
+                    display(back.table(rows=False))  # the move's table listed the names
+                for line in back.said:
+                    print(line)
 
     @magic_arguments()
     @argument("mode", nargs="?", help="line form only: 'on' or 'off' for the cells that follow")

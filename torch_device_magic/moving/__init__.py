@@ -61,8 +61,8 @@ it is unless the group is `capturable` or `fused`. Nothing here touches
 `torch.cuda` unless a device involved is CUDA.
 """
 
-from .commit import move
+from .commit import SigintHold, move
 from .restoring import restore
 from .result import MoveResult, deliver
 
-__all__ = ["MoveResult", "deliver", "move", "restore"]
+__all__ = ["MoveResult", "SigintHold", "deliver", "move", "restore"]

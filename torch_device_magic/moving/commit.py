@@ -527,25 +527,53 @@ class _Caught(list):
     raises = True
 
 
+class SigintHold:
+    """SIGINT (Ctrl-C, a notebook's stop button) held: from `engage` on, each signal is
+    caught (`caught`) instead of handled; leaving `with hold:` puts back the handler that
+    `engage` replaced and, unless an error is on its way, hands it each signal caught
+    (Python's raises at the first; a user's own sees every press, as it would have).
+
+    Only in the main thread (where Python handles signals), where a Python handler is in
+    force when the hold is made. `engage` is a call into C with no Python frame around it
+    (`hold.replaced = hold.engage()`): Python runs a signal's handler only where it checks
+    for one (entering a Python function, after a call), so one that came since the
+    caller's last check is caught by the check after the swap, and none lands in between.
+    """
+
+    def __init__(self) -> None:
+        self.caught = _Caught()
+        main = threading.current_thread() is threading.main_thread()
+        self.able = main and callable(signal.getsignal(signal.SIGINT))
+        self.engage: Callable[[], Any] = (
+            functools.partial(signal.signal, signal.SIGINT, self._catch)
+            if self.able
+            else functools.partial(signal.getsignal, signal.SIGINT)  # swaps nothing
+        )
+        self.replaced: Any = None  # the handler `engage` replaced (its caller sets it)
+
+    def _catch(self, signum: int, frame: object) -> None:
+        self.caught.append(frame)
+
+    def __enter__(self) -> SigintHold:
+        return self
+
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if not self.able:
+            return
+        previous = self.replaced
+        signal.signal(signal.SIGINT, previous)
+        caught = list(self.caught)
+        self.caught.clear()
+        if kind is None and callable(previous):
+            for frame in caught:
+                previous(signal.SIGINT, frame)
+
+
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[_Caught]:
-    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver each
-    signal the block left to the handler in force before (Python's raises at the first; a
-    user's own sees every press, as it would have).
-
-    Only in the main thread (where Python handles signals) and where a Python handler is in
-    force."""
-    caught = _Caught()
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main else None
-    if not callable(previous):  # ignored, the OS default, or set outside Python
-        yield caught
-        return
-    caught.raises = previous is signal.default_int_handler
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield caught
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    for frame in caught:
-        previous(signal.SIGINT, frame)
+    """Hold SIGINT until the block ends (see `SigintHold`)."""
+    hold = SigintHold()
+    hold.replaced = hold.engage()
+    hold.caught.raises = hold.replaced is signal.default_int_handler
+    with hold:
+        yield hold.caught

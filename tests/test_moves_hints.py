@@ -227,3 +227,19 @@ def test_a_ctrl_c_between_the_cells_end_and_the_restore_loses_nothing(ip, monkey
     assert torch.equal(x, torch.arange(4.0))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert "Ctrl-C during --restore: it finished first" in capsys.readouterr().out
+
+
+# --- issue 23, 7: what docs/device.md says of `%device reset --move` after meta ----------
+
+
+def test_reset_move_with_a_tensor_on_meta_is_refused_and_the_session_stays_meta(ip):
+    ip.run_cell("%device meta\nz = torch.ones(3)\nx = torch.ones(2, device='cpu')")
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%device reset --move")
+    assert str(err.value) == (
+        "Could not move z (12 B) to cpu: it is on the meta device, which holds no data; "
+        "nothing was moved."
+    )
+    assert ip.user_ns["device"] == torch.device("meta") and torch.zeros(1).is_meta
+    ip.run_cell("del z\n%device reset --move")  # as the docs say: del it (or rebuild it)
+    assert ip.user_ns["x"].device.type == "cpu" and not torch.zeros(1).is_meta

@@ -63,7 +63,7 @@ a = torch.ones(1)
     "big(X)   # not the model, not a",
     's = "model a"; big(X)',
     "big(X)  # model\n'''a model\nstring'''",
-    "%time big(X)  # a model",
+    "%%nograd\nbig(X)  # a model",
 ])
 def test_the_mismatch_hint_names_only_what_the_code_uses(ip, capsys, cell):
     ip.run_cell(MISMATCH_SETUP)

@@ -55,9 +55,10 @@ meta ones (a kept graph, `Out`, a traceback, a view) keeps those, but a name the
 cell bound to meta tensors gets its original back. A restore holds SIGINT from
 start to end: it is never left half done. `%%ondevice --restore` engages that
 hold (`SigintHold`) as the cell's code ends, so that no Ctrl-C lands between the
-two. `move(..., keep_data=True)` refuses a move to meta of tensors that hold
-data unless it is restorable: nothing would bring the data back. Each tensor goes back where it was;
-what the cell added to a module, where the submodule it joined came from.
+two. Each tensor goes back where it was; what the cell added to a module, where
+the submodule it joined came from. `move(..., keep_data=True)` refuses a move to
+meta of tensors that hold data unless it is restorable: nothing would bring the
+data back.
 
 Optimizer state follows its parameters by torch's own rule: `step` stays where
 it is unless the group is `capturable` or `fused`. Nothing here touches

@@ -364,10 +364,11 @@ class TorchDeviceMagics(Magics):
           meta tensors gets its data back: "--restore from meta gave back
           what the name x held: the cell bound it to meta tensors, which hold
           no data".
-        - Ctrl-C waits while the commit or the restore runs: "Ctrl-C during
-          --restore: it finished first, everything went back". A SIGINT
-          handler of your own gets such a Ctrl-C once they are done, and
-          nothing is cancelled; if it raises, --restore still restores.
+        - Ctrl-C waits while the commit runs, and from the cell's end until the
+          restore is done: "Ctrl-C during --restore: it finished first,
+          everything went back". A SIGINT handler of your own gets such a
+          Ctrl-C once they are done, and nothing is cancelled; if it raises,
+          --restore still restores.
         - A move of a GiB or more shows a progress bar (text unless ipywidgets
           is installed) that goes away when done.
         """

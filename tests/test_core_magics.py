@@ -332,7 +332,7 @@ def test_data_loader_workers_under_device_meta(ip):
 def test_a_failing_restore_does_not_replace_the_cells_error(ip, capsys, monkeypatch):
     from torch_device_magic import moving
 
-    def broken(ns, moved):
+    def broken(ns, moved, hold=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(moving, "restore", broken)

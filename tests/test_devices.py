@@ -76,7 +76,7 @@ def test_present_gpu_resolves_with_its_name(spec, expected):
 @pytest.mark.parametrize(("spec", "message"), [
     ("cuda:7", "cuda:7 is not available: this machine has cuda:0, cuda:1"),
     ("cuda:2", "cuda:2 is not available: this machine has cuda:0, cuda:1"),
-    ("mps", "mps is not available: this machine has cuda:0, cuda:1, cpu, meta"),
+    ("mps", "mps is not available: this machine has cuda:0, cuda:1, cpu"),
     ("banana", "'banana' is not a device: use auto, cpu, cuda, cuda:N, mps, xpu or meta"),
     ("cuda:-1", "'cuda:-1' is not a device"),
     ("cpu cuda", "'cpu cuda' is not a device"),
@@ -89,13 +89,15 @@ def test_bad_or_missing_devices_say_what_exists(spec, message):
     assert "\n" not in str(err.value)
 
 
-def test_cuda_without_cuda_names_the_reason():
-    inv = Inventory([CPU], ["cuda: torch 2.13.0+cpu is a build without CUDA"])
+def test_cuda_without_cuda_names_the_reason_and_what_to_do():
+    inv = Inventory([CPU], ["cuda: torch 2.13.0+cpu is a build without CUDA"], cuda_built=False)
     with pytest.raises(DeviceMagicError) as err:
         resolve("cuda", inv)
     assert str(err.value) == (
-        "cuda is not available (cuda: torch 2.13.0+cpu is a build without CUDA): "
-        "this machine has cpu, meta"
+        "cuda is not available (cuda: torch 2.13.0+cpu is a build without CUDA): install a "
+        "CUDA build of torch (on Linux: pip install --force-reinstall torch; elsewhere the "
+        "command at https://pytorch.org/get-started/locally/), or on Colab choose a GPU "
+        "under Runtime > Change runtime type; this machine has cpu"
     )
 
 

@@ -78,6 +78,8 @@ def test_data_loader_under_a_meta_default_device():
         "which %device set to meta.",
         "  Either keep factory functions on the CPU: "
         "%config TorchDeviceMagics.set_torch_default = False",
+        "  or iterate it under `with torch.device('cpu'):` (the CPU for the tensors made "
+        "inside only)",
     ]
     assert "which torch.set_default_device set to meta" in by_hand
     assert "torch.set_default_device(None)" in by_hand

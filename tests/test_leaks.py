@@ -15,6 +15,8 @@ import torch
 from faults import FailOnAllocation
 from IPython.core.interactiveshell import InteractiveShell
 
+from torch_device_magic import moving
+
 META = torch.device("meta")
 
 
@@ -39,7 +41,9 @@ def tensors_freed_after(ip, cell: str, fault=None) -> bool:
     return all(ref() is None for ref in refs)
 
 
-def test_a_failed_move_keeps_nothing_alive(ip):
+def test_a_failed_move_keeps_nothing_alive(ip, monkeypatch):
+    # Meta as an accelerator: the refusal to drop data there for good would come first.
+    monkeypatch.setattr(moving.commit, "_refuse_dropping_data", lambda plan: None)
     assert tensors_freed_after(ip, "%%ondevice meta\nx + y", FailOnAllocation(META, 2))
 
 
@@ -64,7 +68,7 @@ def test_a_class_redefined_in_a_cell_is_freed_after_moves_and_a_reload(ip):
         ip.run_cell(define)
         refs.append(weakref.ref(ip.user_ns["Config"]))
         ip.run_cell("x = torch.ones(2)\n")
-        ip.run_cell("%%ondevice meta\ny = (config, x.shape)")
+        ip.run_cell("%%ondevice meta --restore\ny = (config, x.shape)")
         ip.run_line_magic("reload_ext", "torch_device_magic")
     ip.run_cell("del Config, config, y")
     gc.collect()

@@ -125,6 +125,22 @@ def ends_with_semicolon(cell: str) -> bool:
     return False
 
 
+def code_words(source: str) -> list[str]:
+    """The names written in `source`'s code, in order, once each: not words of its comments
+    or strings, nor attribute names (`.weight`). Read as far as it tokenizes, IPython's
+    `%magic` lines included (their arguments are code too, as in `%time f(x)`)."""
+    words: dict[str, None] = {}
+    after_dot = False
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.NAME and not after_dot:
+                words.setdefault(tok.string)
+            after_dot = tok.type == tokenize.OP and tok.string == "."
+    except (tokenize.TokenError, SyntaxError):  # the rest of an IPython-only line
+        pass
+    return list(words)
+
+
 def first_code_line(source: str, width: int = 60) -> str:
     """The cell's first line that is neither blank nor a comment, stripped, cut to `width`."""
     for line in source.splitlines():

@@ -58,12 +58,10 @@ class Inventory:
 
     devices: list[DeviceInfo]
     notes: list[str] = field(default_factory=list)
+    cuda_built: bool = True  # whether this torch is a build with CUDA
 
     def of_type(self, kind: str) -> list[DeviceInfo]:
         return [d for d in self.devices if d.type == kind]
-
-    def names(self) -> list[str]:
-        return [d.device for d in self.devices] + ["meta"]
 
 
 def _gib(n: float | None) -> str:
@@ -158,18 +156,24 @@ def make_current(index: int) -> int:
 
 def _unavailable(name: str, kind: str, inventory: Inventory) -> str:
     same = inventory.of_type(kind)
+    has = ", ".join(d.device for d in same or inventory.devices)  # meta is no machine's
     if same:
-        return f"{name} is not available: this machine has {', '.join(d.device for d in same)}"
+        return f"{name} is not available: this machine has {has}"
     why = "".join(f" ({n})" for n in inventory.notes if n.startswith(kind))
-    return (
-        f"{name} is not available{why}: this machine has {', '.join(inventory.names())}"
-    )
+    if kind == "cuda" and not inventory.cuda_built:
+        return (
+            f"{name} is not available{why}: install a CUDA build of torch (on Linux: pip "
+            "install --force-reinstall torch; elsewhere the command at "
+            "https://pytorch.org/get-started/locally/), or on Colab choose a GPU under "
+            f"Runtime > Change runtime type; this machine has {has}"
+        )
+    return f"{name} is not available{why}: this machine has {has}"
 
 
 def take_inventory(probe_cuda_runtime: bool = False) -> Inventory:
     """Every device this process can use; `probe_cuda_runtime` allows torch's own
     CUDA count when NVML is missing (it starts the CUDA runtime, so only on request)."""
-    inv = Inventory([])
+    inv = Inventory([], cuda_built=probes.cuda_built())
     inv.devices += _cuda_devices(inv.notes, probe_cuda_runtime)
     if probes.mps_available():
         free, total = probes.free_and_total(torch.device("mps")) or (None, None)

@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from .cells import reach
+from .cells import code_words, reach
 from .namespace import TensorRow, scan
 from .probes import free_and_total, torch_default_device
 from .units import fmt_bytes
@@ -89,8 +89,7 @@ def hint(
 def _mismatch(
     message: str, namespace: dict[str, object], source: str, session: torch.device | None
 ) -> str:
-    words = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", source))  # in order, once each
-    used = [name for name in words if name in namespace]
+    used = [name for name in code_words(source) if name in namespace]
     reached = reach(namespace, used)  # and what the notebook functions it calls read
     used += sorted(reached.names - set(used))
     rows = scan({name: namespace[name] for name in used}).rows
@@ -225,7 +224,12 @@ def _data_loader(default: torch.device, session: torch.device | None, ondevice: 
         f"which {who} set to {default}.",
         f"  Either keep factory functions on the CPU: {off}",
     ]
-    if default.type != "meta":  # meta makes no random numbers at all
+    if default.type == "meta":
+        # Meta makes no random numbers, and a CPU generator does not help: the DataLoader
+        # draws its seed into a tensor it makes on the default device.
+        lines.append("  or iterate it under `with torch.device('cpu'):` (the CPU for the "
+                     "tensors made inside only)")
+    else:
         lines.append(
             f"  or give it a generator there: DataLoader(..., generator=torch.Generator("
             f"device={str(default)!r}))"

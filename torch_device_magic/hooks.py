@@ -53,6 +53,7 @@ from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds
 
 HISTORY_SIZE = 1000
+_CUDA_START = "_torch_device_magic_cuda_start"  # the shell's attribute: see `_hook`
 _log = logging.getLogger(__name__)
 
 
@@ -154,8 +155,14 @@ class CellReporter:
                     ip.events.unregister(event, callback)
             if on and mine not in ip.events.callbacks[event]:
                 ip.events.register(event, mine)
+        # Which cell started CUDA is the process's fact, not this reporter's: it is kept on
+        # the shell too, where the reporter that %reload_ext makes finds it.
+        if self.cuda_start is None:
+            self.cuda_start = getattr(ip, _CUDA_START, None)
         if wanted["post_run_cell"] and self.cuda_start is None and runtime_up("cuda"):
             self.cuda_start = CudaStart(None)  # up before we watched: which cell is unknown
+        if self.cuda_start is not None:
+            setattr(ip, _CUDA_START, self.cuda_start)
         self._watch_cuda = self.cuda_start is None and cuda_built()  # read once, not per cell
 
     def status(self) -> str:

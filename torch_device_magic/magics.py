@@ -242,7 +242,8 @@ class TorchDeviceMagics(Magics):
         CUDA's current device (queued until CUDA starts; nothing starts now).
         `--move` also moves every tensor, model and optimizer in the namespace
         there, all or nothing, as `%%ondevice --all` does (`%device reset --move`
-        to the CPU).
+        to the CPU); to meta, which holds no data, it is refused while a tensor
+        holds some (`%%ondevice meta --restore` runs a cell there and gives it back).
         """
         args = parse(self.device, line)
         if args.spec is None:
@@ -257,7 +258,8 @@ class TorchDeviceMagics(Magics):
         else:
             dev, why = self._resolve(args.spec)
         if args.move:  # first: a move that fails changes nothing, the current device neither
-            moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"))
+            moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"),
+                                keep_data=True)
         self.session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
@@ -358,6 +360,8 @@ class TorchDeviceMagics(Magics):
         - Optimizer state follows its parameters; `step` stays on the CPU
           unless the group is capturable or fused, as torch keeps it.
         - --all moves every name of yours (not `_`-prefixed or IPython's own).
+        - Meta holds no data: without --restore, a move there of tensors that hold
+          some is refused in one line (tensors already on meta, or empty, may move).
         - --restore sends back what the names held, with what the cell did to
           it, each tensor where it was (a model split across devices comes
           back split); optimizer state and parameters the cell added to a
@@ -369,10 +373,11 @@ class TorchDeviceMagics(Magics):
           meta tensors gets its data back: "--restore from meta gave back
           what the name x held: the cell bound it to meta tensors, which hold
           no data".
-        - Ctrl-C waits while the commit or the restore runs: "Ctrl-C during
-          --restore: it finished first, everything went back". A SIGINT
-          handler of your own gets such a Ctrl-C once they are done, and
-          nothing is cancelled; if it raises, --restore still restores.
+        - Ctrl-C waits while the commit runs, and from the cell's end until the
+          restore is done: "Ctrl-C during --restore: it finished first,
+          everything went back". A SIGINT handler of your own gets such a
+          Ctrl-C once they are done, and nothing is cancelled; if it raises,
+          --restore still restores.
         - A move of a GiB or more shows a progress bar (text unless ipywidgets
           is installed) that goes away when done.
         """
@@ -389,9 +394,10 @@ class TorchDeviceMagics(Magics):
                  else cells.names_read(self.shell, cell))
         found = cells.reach(self.shell.user_ns, names)  # what the notebook functions it calls read
         names = sorted({*names, *found.names})
-        moved, failed = None, False
+        moved, failed, hold = None, False, moving.SigintHold()
         try:  # entered before the move: a Ctrl-C just after it still restores
-            moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore)
+            moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
+                                keep_data=True)
             # A Ctrl-C once the move was done goes to the SIGINT handler now, inside the
             # try: if it raises (Python's does), what moved is restored below.
             moving.deliver(moved)
@@ -408,19 +414,28 @@ class TorchDeviceMagics(Magics):
             raise
         finally:
             if args.restore and moved is not None:
-                try:
-                    back = moving.restore(self.shell.user_ns, moved)
-                except Exception as restore_error:
-                    if not failed:
-                        raise
-                    # The cell's own error (a sticky CUDA error, say) is the one raised.
-                    print(f"%%ondevice --restore could not send back what moved: {restore_error}")
-                else:
-                    if args.verbose:
-                        display(back.table())
-                    for line in back.said:
-                        print(line)
-                    moving.deliver(back)  # held back until it was done and shown
+                # First, and in C: a Ctrl-C from the cell's end on waits for the restore.
+                hold.replaced = hold.engage()
+                self._restore(moved, hold, failed, args.verbose)
+
+    def _restore(
+        self, moved: moving.MoveResult, hold: moving.SigintHold, failed: bool, verbose: bool
+    ) -> None:
+        """--restore under `hold`, engaged: what moved goes back and is shown, then the
+        Ctrl-Cs held since the cell ended reach the SIGINT handler."""
+        with hold:
+            try:
+                back = moving.restore(self.shell.user_ns, moved, hold)
+            except Exception as restore_error:
+                if not failed:
+                    raise
+                # The cell's own error (a sticky CUDA error, say) is the one raised.
+                print(f"%%ondevice --restore could not send back what moved: {restore_error}")
+            else:
+                if verbose and (back.names or back.restored):
+                    display(back.table(rows=False))  # the move's table listed the names
+                for line in back.said:
+                    print(line)
 
     @magic_arguments()
     @kwds(usage="nograd on|off\n  %%%%nograd [--inference]")  # --inference is for one cell

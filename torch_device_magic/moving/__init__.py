@@ -10,7 +10,7 @@ imports only those above it here:
   restore needs;
 - `plan`: phase 1;
 - `copy`: phase 2;
-- `commit`: phase 3, and `move`, which runs the three;
+- `commit`: phase 3, `move`, which runs the three, and `SigintHold`;
 - `restoring`: `restore`, a move back (from meta: the originals put back).
 
 The phases:
@@ -53,16 +53,20 @@ original C++ tensor, which is swapped back into the very object it came from,
 with its data, `grad_fn`, hooks and `.grad`. Whatever the cell left holding the
 meta ones (a kept graph, `Out`, a traceback, a view) keeps those, but a name the
 cell bound to meta tensors gets its original back. A restore holds SIGINT from
-start to end: it is never left half done. Each tensor goes back where it was;
-what the cell added to a module, where the submodule it joined came from.
+start to end: it is never left half done. `%%ondevice --restore` engages that
+hold (`SigintHold`) as the cell's code ends, so that no Ctrl-C lands between the
+two. Each tensor goes back where it was; what the cell added to a module, where
+the submodule it joined came from. `move(..., keep_data=True)` refuses a move to
+meta of tensors that hold data unless it is restorable: nothing would bring the
+data back.
 
 Optimizer state follows its parameters by torch's own rule: `step` stays where
 it is unless the group is `capturable` or `fused`. Nothing here touches
 `torch.cuda` unless a device involved is CUDA.
 """
 
-from .commit import move
+from .commit import SigintHold, move
 from .restoring import restore
 from .result import MoveResult, deliver
 
-__all__ = ["MoveResult", "deliver", "move", "restore"]
+__all__ = ["MoveResult", "SigintHold", "deliver", "move", "restore"]

@@ -23,6 +23,7 @@ from torch import Tensor
 from .. import probes
 from ..errors import DeviceMagicError, first_sentence
 from ..tensors import children, is_container
+from ..units import fmt_bytes
 from .copy import _copy_all, _failure, _inference
 from .plan import _IS_META, _REBINDABLE, _canonical, _first_target, _label, _pick, _Plan
 from .result import MoveResult, _Undo
@@ -39,9 +40,16 @@ _MISSING = object()
 
 
 def move(
-    ns: dict, names: Iterable[str], device: torch.device, *, restorable: bool = False
+    ns: dict,
+    names: Iterable[str],
+    device: torch.device,
+    *,
+    restorable: bool = False,
+    keep_data: bool = False,
 ) -> MoveResult:
     """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`).
+    With `keep_data` (the user's own objects, not copies), a move to meta that would drop
+    data with no way back (not `restorable`) is refused before anything changes.
 
     Each tensor's bytes count once, under the first name that reaches it, taking the names
     in alphabetical order but those bound to an optimizer last: a model's parameters count
@@ -52,6 +60,8 @@ def move(
     names.sort(key=lambda n: isinstance(ns[n], torch.optim.Optimizer))  # stable
     plan = _Plan.to(device)
     plan.walk(ns, names)
+    if keep_data and not restorable and device.type == "meta":
+        _refuse_dropping_data(plan)
     undo = None
     if restorable:
         undo = _Undo(names, {}, plan.module_home)
@@ -60,6 +70,22 @@ def move(
             undo.optimizer_state, undo.values = plan.optimizer_snapshots()
             undo.bindings = {name: ns[name] for name in names}
     return _execute(plan, ns, device, undo)
+
+
+def _refuse_dropping_data(plan: _Plan) -> None:
+    """Refuse a move to meta of anything that holds data (those already on meta hold none,
+    and the plan leaves them out): meta keeps shapes only."""
+    held = [(name, n) for name, first, last in plan.names if (n := sum(plan.nbytes[first:last]))]
+    if not held:
+        return
+    what = ", ".join(f"{name} ({fmt_bytes(n)})" for name, n in held[:3])
+    if len(held) > 3:
+        what += f" and {len(held) - 3} more"
+    raise DeviceMagicError(
+        f"Moving {what} to meta would lose {'its' if len(held) == 1 else 'their'} data for "
+        "good (meta tensors hold none); nothing was moved: %%ondevice meta --restore runs a "
+        "cell on meta and gives back what it moved"
+    )
 
 
 def _execute(
@@ -501,25 +527,53 @@ class _Caught(list):
     raises = True
 
 
+class SigintHold:
+    """SIGINT (Ctrl-C, a notebook's stop button) held: from `engage` on, each signal is
+    caught (`caught`) instead of handled; leaving `with hold:` puts back the handler that
+    `engage` replaced and, unless an error is on its way, hands it each signal caught
+    (Python's raises at the first; a user's own sees every press, as it would have).
+
+    Only in the main thread (where Python handles signals), where a Python handler is in
+    force when the hold is made. `engage` is a call into C with no Python frame around it
+    (`hold.replaced = hold.engage()`): Python runs a signal's handler only where it checks
+    for one (entering a Python function, after a call), so one that came since the
+    caller's last check is caught by the check after the swap, and none lands in between.
+    """
+
+    def __init__(self) -> None:
+        self.caught = _Caught()
+        main = threading.current_thread() is threading.main_thread()
+        self.able = main and callable(signal.getsignal(signal.SIGINT))
+        self.engage: Callable[[], Any] = (
+            functools.partial(signal.signal, signal.SIGINT, self._catch)
+            if self.able
+            else functools.partial(signal.getsignal, signal.SIGINT)  # swaps nothing
+        )
+        self.replaced: Any = None  # the handler `engage` replaced (its caller sets it)
+
+    def _catch(self, signum: int, frame: object) -> None:
+        self.caught.append(frame)
+
+    def __enter__(self) -> SigintHold:
+        return self
+
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if not self.able:
+            return
+        previous = self.replaced
+        signal.signal(signal.SIGINT, previous)
+        caught = list(self.caught)
+        self.caught.clear()
+        if kind is None and callable(previous):
+            for frame in caught:
+                previous(signal.SIGINT, frame)
+
+
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[_Caught]:
-    """Hold SIGINT (Ctrl-C, a notebook's stop button) until the block ends, then deliver each
-    signal the block left to the handler in force before (Python's raises at the first; a
-    user's own sees every press, as it would have).
-
-    Only in the main thread (where Python handles signals) and where a Python handler is in
-    force."""
-    caught = _Caught()
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main else None
-    if not callable(previous):  # ignored, the OS default, or set outside Python
-        yield caught
-        return
-    caught.raises = previous is signal.default_int_handler
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield caught
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    for frame in caught:
-        previous(signal.SIGINT, frame)
+    """Hold SIGINT until the block ends (see `SigintHold`)."""
+    hold = SigintHold()
+    hold.replaced = hold.engage()
+    hold.caught.raises = hold.replaced is signal.default_int_handler
+    with hold:
+        yield hold.caught

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from ..tensors import stored_bytes
 from ..units import fmt_bytes
-from .commit import _execute, _like, _rebind, _sigint_held, _swap_all
+from .commit import SigintHold, _execute, _like, _rebind, _sigint_held, _swap_all
 from .plan import _IS_META, _Plan
 from .result import MoveResult, _Undo
 
 
-def restore(ns: dict, moved: MoveResult) -> MoveResult:
+def restore(ns: dict, moved: MoveResult, hold: SigintHold | None = None) -> MoveResult:
     """Send back what `move(..., restorable=True)` moved, carrying what was done to it since.
 
     Once only: `moved` then lets go of what it kept for this (from meta, the originals),
     which a traceback holding it would otherwise keep alive. SIGINT waits until it is done:
-    a Ctrl-C neither cancels it nor leaves it half done.
+    a Ctrl-C neither cancels it nor leaves it half done. Under `hold`, engaged by the
+    caller (who releases it, handing over what it caught), else under a hold of its own,
+    whose Ctrl-Cs the result keeps for `deliver`.
     """
-    with _sigint_held() as interrupted:
+    held = contextlib.nullcontext(hold.caught) if hold is not None else _sigint_held()
+    with held as interrupted:
         undo, moved._undo = moved._undo, None
         if undo is None:
             raise ValueError("restore() needs the result of move(..., restorable=True), once")
@@ -33,8 +37,9 @@ def restore(ns: dict, moved: MoveResult) -> MoveResult:
             result = _execute(plan, ns, None, None, held=True)
         if interrupted:
             result.said.append("Ctrl-C during --restore: it finished first, everything went back")
-            result.interrupted = len(interrupted)  # the caller delivers, with this result
-            interrupted.clear()
+            if hold is None:
+                result.interrupted = len(interrupted)  # the caller delivers, with this result
+                interrupted.clear()
     return result
 
 

@@ -39,7 +39,8 @@ class MoveResult:
     def nbytes(self) -> int:
         return sum(self.names.values())
 
-    def table(self) -> Table:
+    def table(self, rows: bool = True) -> Table:
+        """The title, a row per name unless not `rows`, and the notes."""
         if self.restored is not None:  # nothing was copied: saying "moved in 1 ms" would mislead
             title = f"restored {plural(self.restored, 'tensor')} from meta (the originals put back)"
         elif self.names:
@@ -47,11 +48,11 @@ class MoveResult:
             title = f"moved {fmt_bytes(self.nbytes)} to {self.to or self.device} in {took}"
         else:
             title = f"nothing to move to {self.device}"
-        rows = [(name, fmt_bytes(n)) for name, n in self.names.items()]
+        listed = [(name, fmt_bytes(n)) for name, n in self.names.items()] if rows else []
         notes = list(self.counted_under)
         notes += [f"could not follow: {n}" for n in self.not_followed]
         notes += [f"not walked: {n}" for n in self.skipped]
-        return Table(title, ("name", "bytes"), rows, notes)
+        return Table(title, ("name", "bytes"), listed, notes)
 
 
 @dataclass

@@ -159,7 +159,7 @@ def _changed(before: Counters, after: Counters) -> bool:
     ) or (_sub(after.peak_bytes, before.allocated_bytes) or 0) > 0
 
 
-_CHEAP_CHUNKS = 1000  # a walk of this many free chunks costs a few µs: taken after any cell
+_CHEAP_CHUNKS = 500  # a walk of this many free chunks: 1–3 µs in cache, up to ~50 µs out of it
 _WALK_SHARE = 0.01  # a walk of more (a fragmented heap) only in cells it costs 1% of
 
 
@@ -170,9 +170,9 @@ class FreeHeap:
     is credited to the cell that freed it, not to the cell glibc gave it back in.
 
     The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after
-    every cell, however short, while the last reading walked at most 1,000 free chunks
-    (a few µs); a quick cell can free hundreds of MiB of large heap blocks without RSS
-    moving. On a heap with more (a fragmented one), a reading is taken only after a cell
+    every cell, however short, while the last reading walked at most 500 free chunks
+    (a few µs, up to ~50 µs where they have left the CPU's caches); a quick cell can free
+    hundreds of MiB of large heap blocks without RSS moving. On a heap with more (a fragmented one), a reading is taken only after a cell
     that kept the process busy (CPU time, as getrusage read it for the peak, since the
     last cell; the wall time where there is none) 100 times as long as the last reading
     took; the cells between read their RSS change as it is. Each figure spans one cell:
@@ -185,29 +185,28 @@ class FreeHeap:
         self._chunks = 0  # how many free chunks the last reading walked
         self._cost_s = 0.0  # and what it took
 
-    def _walk(self) -> None:
+    def _walk(self) -> int | None:
+        """The free bytes now (None where the reading failed), noting what it cost."""
         t0 = clock()
         found = guarded(self._read)
         self._cost_s = clock() - t0
         self.free_bytes, self._chunks = (None, 0) if found is None else found
-
-    def _affordable(self, busy_s: float) -> bool:
-        return self._chunks <= _CHEAP_CHUNKS or self._cost_s <= _WALK_SHARE * busy_s
+        return self.free_bytes
 
     def start(self) -> None:
         """Read the free heap before a cell, where no reading is current and one is cheap."""
-        if self.free_bytes is None and self._affordable(0.0):
+        if self.free_bytes is None and self._chunks <= _CHEAP_CHUNKS:
             self._walk()
 
     def correction(self, rss_delta: int, busy_s: float) -> int:
         """What to take from `rss_delta`: the free heap's change during the cell."""
         before, self.free_bytes = self.free_bytes, None
-        if not self._affordable(busy_s):
+        if self._chunks > _CHEAP_CHUNKS and self._cost_s > _WALK_SHARE * busy_s:
             return 0  # not read: the next reading starts the count again
-        self._walk()
-        if before is None or self.free_bytes is None:
+        after = self._walk()
+        if before is None or after is None:
             return 0
-        change = self.free_bytes - before
+        change = after - before
         if change > 0:  # the cell freed to the heap: it gave that up, whatever RSS says
             return change
         # A heap that shrank and RSS that fell: the allocator gave back what it held free.

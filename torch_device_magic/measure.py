@@ -171,11 +171,12 @@ class FreeHeap:
 
     The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after
     every cell, however short, while the last reading walked at most 500 free chunks
-    (a few µs, up to ~50 µs where they have left the CPU's caches); a quick cell can free
-    hundreds of MiB of large heap blocks without RSS moving. On a heap with more (a fragmented one), a reading is taken only after a cell
-    that kept the process busy (CPU time, as getrusage read it for the peak, since the
-    last cell; the wall time where there is none) 100 times as long as the last reading
-    took; the cells between read their RSS change as it is. Each figure spans one cell:
+    (a few µs, up to ~50 µs where they have left the CPU's caches): a quick cell can
+    free hundreds of MiB of large heap blocks without RSS moving. On a heap with more
+    (a fragmented one), a reading is taken only after a cell that kept the process
+    busy (CPU time, as getrusage read it for the peak, since the last cell; the wall
+    time where there is none) 100 times as long as the last reading took; the cells
+    between read their RSS change as it is. Each figure spans one cell:
     a cell not read ends the count, and the next one read starts it again.
     """
 

@@ -4,7 +4,7 @@
 
 The host figure is the RSS change less the change in glibc's free heap
 (`measure.FreeHeap`), read by walking every free chunk (`mallinfo2`) after every
-cell while the last walk saw at most 500 free chunks. Three heaps, in one
+cell while the last walk saw at most 1,000 free chunks. Three heaps, in one
 process, in turn:
 
 - compact: as after importing torch;

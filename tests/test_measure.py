@@ -188,16 +188,17 @@ def test_a_broken_accelerator_reads_none_and_never_raises(monkeypatch):
 
 
 class Heap:
-    """A free heap read through a fake clock: each reading takes `cost_s`."""
+    """A free heap of `chunks` free chunks read through a fake clock: each reading takes
+    `cost_s`."""
 
-    def __init__(self, monkeypatch, cost_s: float) -> None:
-        self.now, self.free, self.cost_s, self.reads = 0.0, 0, cost_s, 0
+    def __init__(self, monkeypatch, cost_s: float, chunks: int = 10) -> None:
+        self.now, self.free, self.cost_s, self.chunks, self.reads = 0.0, 0, cost_s, chunks, 0
         monkeypatch.setattr(measure, "clock", lambda: self.now)
 
     def __call__(self) -> tuple[int, int]:
         self.reads += 1
         self.now += self.cost_s
-        return self.free, 0
+        return self.free, self.chunks
 
 
 def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypatch):
@@ -212,13 +213,12 @@ def test_memory_left_free_in_the_heap_counts_for_the_cell_that_freed_it(monkeypa
     assert free.correction(-265 * 2**20, busy_s=1e-4) == -265 * 2**20  # so the cell reads 0
     heap.free -= 256 * 2**20  # a tensor made of free chunks that malloc_trim had released
     assert free.correction(256 * 2**20, busy_s=0.05) == 0  # RSS grew: it says the cost
-    # A quick cell that left RSS nearly alone is not read at all (the Meter asks this).
-    assert measure.quiet(100 * 1024, busy_s=1e-4)
-    assert not measure.quiet(-2**20, busy_s=1e-4) and not measure.quiet(0, busy_s=0.01)
+    heap.free += 400 * 2**20  # a quick cell that freed large blocks: RSS did not move
+    assert free.correction(0, busy_s=1e-6) == 400 * 2**20
 
 
 def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
-    heap = Heap(monkeypatch, cost_s=0.03)  # a fragmented heap: 30 ms a reading
+    heap = Heap(monkeypatch, cost_s=0.03, chunks=250_000)  # fragmented: 30 ms a reading
     free = measure.FreeHeap(heap)
     free.start()  # the first reading: its cost is not known yet
     heap.free += 2**20
@@ -230,3 +230,8 @@ def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
     free.start()
     heap.free += 2**20
     assert free.correction(0, busy_s=3.0) == 2**20  # counted from there
+    heap.chunks, heap.cost_s = 50, 1e-6  # compact again, which the next reading shows
+    assert free.correction(0, busy_s=1e-6) == 0 and heap.reads == 3  # not read yet
+    assert free.correction(0, busy_s=5.0) == 0 and heap.reads == 4
+    heap.free += 2**20
+    assert free.correction(0, busy_s=1e-6) == 2**20  # from then on, quick cells are read

@@ -144,10 +144,8 @@ def _changed(before: Counters, after: Counters) -> bool:
     ) or (_sub(after.peak_bytes, before.allocated_bytes) or 0) > 0
 
 
-_WALK_CHEAP_S = 50e-6  # a free-heap reading this quick is taken after any cell that needs it
-_WALK_SHARE = 0.01  # a slower one (a fragmented heap) only in cells it costs 1% of
-_QUIET_S = 5e-3  # a cell busy for less than this, RSS moved less than _STILL_BYTES: not read
-_STILL_BYTES = 256 * 1024  # (such a cell can free or take little: the next reading counts it)
+_CHEAP_CHUNKS = 1000  # a walk of this many: 2–7 µs in cache, up to ~100 µs out of it
+_WALK_SHARE = 0.01  # a walk of more (a fragmented heap) only in cells it costs 1% of
 
 
 class FreeHeap:
@@ -156,47 +154,45 @@ class FreeHeap:
     explains (glibc trimmed what an earlier cell freed) counts for nothing: memory freed
     is credited to the cell that freed it, not to the cell glibc gave it back in.
 
-    The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after a
-    cell that kept the process busy for 5 ms or more (CPU time, as getrusage read it for
-    the peak, since the last cell; the wall time where there is none: a cell waiting for
-    a loaded machine's CPU did no work) or moved RSS by 256 KiB or more, while a reading
-    costs at most 50 µs or 1% of that time; a quick cell that left RSS nearly alone is not
-    read (what it did is counted at the next reading). Where a reading is too dear
-    (a fragmented heap), cells get their RSS change as it is until a cell long enough
-    to afford one comes, which starts the count again.
+    The free heap is read (a walk of every free chunk, see `malloc_free_reader`) after
+    every cell, however short, while the last reading walked at most 1,000 free chunks
+    (a few µs, up to ~100 µs where they have left the CPU's caches): a quick cell can
+    free hundreds of MiB of large heap blocks without RSS moving. On a heap with more
+    (a fragmented one), a reading is taken only after a cell that kept the process
+    busy (CPU time, as getrusage read it for the peak, since the last cell; the wall
+    time where there is none) 100 times as long as the last reading took; the cells
+    between read their RSS change as it is. Each figure spans one cell:
+    a cell not read ends the count, and the next one read starts it again.
     """
 
     def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
         self._read = read
         self.free_bytes: int | None = None  # at the last reading, if that is still current
-        self._cost_s = 0.0  # what the last reading took
+        self._chunks = 0  # how many free chunks the last reading walked
+        self._cost_s = 0.0  # and what it took
 
-    def _walk(self) -> tuple[int, int]:
+    def _walk(self) -> int | None:
+        """The free bytes now (None where the reading failed), noting what it cost."""
         t0 = clock()
-        found = self._read()
+        found = guarded(self._read)
         self._cost_s = clock() - t0
-        return found
+        self.free_bytes, self._chunks = (None, 0) if found is None else found
+        return self.free_bytes
 
     def start(self) -> None:
         """Read the free heap before a cell, where no reading is current and one is cheap."""
-        if self.free_bytes is None and self._cost_s <= _WALK_CHEAP_S:
-            found = guarded(self._walk)
-            self.free_bytes = None if found is None else found[0]
+        if self.free_bytes is None and self._chunks <= _CHEAP_CHUNKS:
+            self._walk()
 
     def correction(self, rss_delta: int, busy_s: float) -> int:
-        """What to take from `rss_delta`: the free heap's change during the cell, less what
-        reading it handed back (its consolidation can trim)."""
+        """What to take from `rss_delta`: the free heap's change during the cell."""
         before, self.free_bytes = self.free_bytes, None
-        if self._cost_s > max(_WALK_CHEAP_S, _WALK_SHARE * busy_s):
+        if self._chunks > _CHEAP_CHUNKS and self._cost_s > _WALK_SHARE * busy_s:
             return 0  # not read: the next reading starts the count again
-        found = guarded(self._walk)
-        if found is None:
+        after = self._walk()
+        if before is None or after is None:
             return 0
-        self.free_bytes, trimmed = found
-        if before is None:
-            return 0
-        # What the reading trimmed left the free heap and RSS after RSS was read.
-        change = self.free_bytes - before + trimmed
+        change = after - before
         if change > 0:  # the cell freed to the heap: it gave that up, whatever RSS says
             return change
         # A heap that shrank and RSS that fell: the allocator gave back what it held free.
@@ -204,12 +200,6 @@ class FreeHeap:
         # lists: RSS says what that cost (nothing where the pages were still resident,
         # everything where malloc_trim or swap had released them), so it stands.
         return max(change, rss_delta) if rss_delta < 0 else 0
-
-
-def quiet(rss_delta: int | None, busy_s: float) -> bool:
-    """A cell too short, with RSS too still, to be worth reading the free heap after (or
-    one whose RSS could not be read)."""
-    return rss_delta is None or (busy_s < _QUIET_S and -_STILL_BYTES < rss_delta < _STILL_BYTES)
 
 
 class Meter:
@@ -237,7 +227,6 @@ class Meter:
         read = malloc_free_reader() if host is None else None
         self._heap = None if read is None else FreeHeap(read)
         self._cpu_s: float | None = None  # the host probe's CPU time at the last stop
-        self._busy = 0.0  # the CPU time of the cell that just stopped (see `_quiet`)
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
@@ -268,8 +257,7 @@ class Meter:
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
             host_delta, host_peak = self.host.stop()
-            if self._heap is not None and not self._quiet(host_delta, wall_s):
-                host_delta, host_peak = self._credit(host_delta, host_peak)
+            host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
             return self._workers(Measurement(wall_s, None, None, None, None, host_delta, host_peak))
         watched = devices_in_use(main)
         ends, error = {}, None
@@ -280,8 +268,7 @@ class Meter:
                     error = accel.synchronize() or error
         wall_s = clock() - self._t0
         host_delta, host_peak = self.host.stop()
-        if self._heap is not None and not self._quiet(host_delta, wall_s):
-            host_delta, host_peak = self._credit(host_delta, host_peak)
+        host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
         after = {a.name: a.counters() for a in watched}
         before = {a.name: self._before.get(a.name, _NOTHING) for a in watched}
         used = [a for a in watched if _changed(before[a.name], after[a.name])]
@@ -316,21 +303,22 @@ class Meter:
         m.workers = found.figures()  # None where only children idle in the cell were seen
         return m
 
-    def _quiet(self, delta: int | None, wall_s: float) -> bool:
-        """Whether the cell was too quick and still for a free-heap reading (`quiet`), by
-        the CPU time the process spent since the last stop, as the host probe read it
-        (getrusage, for the peak), or `wall_s` where it reads none."""
-        cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
-        self._cpu_s = cpu
-        self._busy = wall_s if cpu is None or before is None else cpu - before
-        return quiet(delta, self._busy)
-
-    def _credit(self, delta: int | None, peak: int | None) -> tuple[int | None, int | None]:
+    def _credit(
+        self, delta: int | None, peak: int | None, wall_s: float
+    ) -> tuple[int | None, int | None]:
         """The host change as the cell made it (RSS, less what it left in or took from
         malloc's free lists), and the RSS peak above the start, at least that change."""
-        if self._heap is None or delta is None:
+        if self._heap is None:
             return delta, peak
-        delta -= self._heap.correction(delta, self._busy)
+        if delta is None:  # RSS unread: no figure to correct, and the count starts again
+            self._heap.free_bytes = None
+            return delta, peak
+        # The cell's CPU time since the last stop (getrusage's, read for the peak), or
+        # `wall_s` where the probe reads none: a cell waiting for a loaded CPU did no work.
+        cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
+        self._cpu_s = cpu
+        busy_s = wall_s if cpu is None or before is None else cpu - before
+        delta -= self._heap.correction(delta, busy_s)
         return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:

@@ -231,41 +231,41 @@ def rss_and_high_water() -> tuple[int, int] | None:
 
 def malloc_free_reader() -> Callable[[], tuple[int, int]] | None:
     """A function giving the bytes glibc's malloc holds free in every arena (resident or
-    not), `mallinfo2().fordblks`, and what the reading itself handed back to the system;
+    not), `mallinfo2().fordblks`, and the number of free chunks it walked to count them;
     None without glibc 2.33+ (macOS, musl, Windows).
 
-    It walks every free chunk: about 1 µs on a compact heap, tens of milliseconds with
-    hundreds of thousands of free chunks (the caller decides when it can afford it). A
-    4 KiB malloc and free first consolidate the fast bins, as glibc's next large malloc
-    would: after a mass free that turns ~680,000 chunks into a few dozen. That free can
-    trim the heap's top, which the program break (`sbrk(0)`, no system call) shows.
+    It walks every free chunk, so its cost follows that number: about 1 µs on a compact
+    heap, 5–40 ms with a quarter of a million free chunks (the caller decides when it can
+    afford it). `mallopt(M_ARENA_TEST, 0)` first consolidates the main arena's fast bins,
+    as glibc's next large malloc would (after a mass free that turns hundreds of thousands
+    of chunks into a few dozen), and changes no setting (only a value above 0 is taken).
+    Unlike a malloc and free, it never trims the heap, so the reading gives nothing back.
     """
     try:
         import ctypes
 
         libc = ctypes.CDLL(None)
-        mallinfo2, malloc, free, sbrk = libc.mallinfo2, libc.malloc, libc.free, libc.sbrk
+        mallinfo2, mallopt = libc.mallinfo2, libc.mallopt
     except (OSError, AttributeError):
         return None
-    size_t = ctypes.c_size_t
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, size_t) for name in (
+        _fields_ = [(name, ctypes.c_size_t) for name in (
             "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
             "uordblks", "fordblks", "keepcost")]
 
     mallinfo2.restype = MallInfo2
-    malloc.restype, malloc.argtypes = ctypes.c_void_p, [size_t]
-    free.restype, free.argtypes = None, [ctypes.c_void_p]
-    sbrk.restype, sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+    mallopt.restype, mallopt.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
 
     def read() -> tuple[int, int]:
-        top = sbrk(0) or 0
-        free(malloc(4096))
-        trimmed = top - (sbrk(0) or 0)
-        return int(mallinfo2().fordblks), max(0, trimmed)
+        mallopt(_M_ARENA_TEST, 0)
+        info = mallinfo2()
+        return int(info.fordblks), int(info.ordblks + info.smblks)
 
     return read
+
+
+_M_ARENA_TEST = -7  # malloc.h; mallopt consolidates the main arena whatever the parameter
 
 
 def host_probe() -> HostProbe:

@@ -8,21 +8,25 @@ import re
 from .errors import DeviceMagicError
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+_BYTE_SCALES = tuple(1024**unit for unit in range(len(_BYTE_UNITS)))
 
 
 def fmt_bytes(n: float | None, signed: bool = False) -> str:
     """`fmt_bytes(1536) == '1.5 KiB'`; None reads 'n/a'; `signed` adds '+' to growth."""
     if n is None:
         return "n/a"
-    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
-    value = abs(float(n))
-    unit = 0
-    while value >= 1024 and unit < len(_BYTE_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    if unit == 0:
+    if not n:
+        return "0 B"
+    sign = "-" if n < 0 else ("+" if signed else "")
+    value = abs(n)
+    # Every report line formats two or more sizes, most often 0: the unit comes from the
+    # bit length of the whole bytes (1024 is 2**10), with no loop of divisions.
+    unit = (int(value).bit_length() - 1) // 10
+    if unit <= 0:
         return f"{sign}{int(value)} B"
-    return f"{sign}{value:.1f} {_BYTE_UNITS[unit]}"
+    if unit >= len(_BYTE_UNITS):
+        unit = len(_BYTE_UNITS) - 1
+    return f"{sign}{value / _BYTE_SCALES[unit]:.1f} {_BYTE_UNITS[unit]}"
 
 
 def plural(n: int, word: str) -> str:

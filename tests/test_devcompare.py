@@ -428,6 +428,8 @@ NOTHING_RAN = ", which it would change for real; nothing ran (pass them as argum
     ("from tdm_user_train import fit", "fit()",
      "tdm_user_train.fit reads model from its module tdm_user_train"),
     ("import tdm_user_train", "tdm_user_train.fit()",
+     "tdm_user_train.fit reads model from its module tdm_user_train"),
+    ("import tdm_user_train", "tdm_user_train.model.weight.sum()",
      "tdm_user_train is a module of your own that holds model"),
     ("def make():\n    m = model\n    return lambda: m.weight.sum()\nstep = make()", "step()",
      "step keeps m in a closure"),

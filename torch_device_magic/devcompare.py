@@ -6,7 +6,7 @@
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
 The names the cell reads, and those the notebook's functions it calls read
-(`cells.reach`), are its inputs; a function that reaches tensors through no
+(`reach.reach`), are its inputs; a function that reaches tensors through no
 name of the notebook (its own module's globals, a closure) is refused before
 anything runs. For each device in turn the inputs that hold tensors (in
 containers or in any object's attributes: a dataset, an LR scheduler) are
@@ -46,13 +46,13 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .cells import reach
 from .default_device import lifted
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
 from .namespace import generators, holds_tensors, tensors_in
 from .probes import active_accelerator, clock, empty_cache, free_bytes
+from .reach import reach
 from .reports import Table
 from .tensors import storage_bytes, storage_key
 from .units import fmt_bytes, fmt_seconds
@@ -139,14 +139,15 @@ def compare(
     runs: int = 5,
     warmup: int = 1,
     hidden: Container[str] = (),
+    attributes: Iterable[str] = (),
 ) -> Comparison:
     """Call `run` (a cell compiled by `cells.compiled`) on each device in turn, with copies of
-    those of `reads` (the user's names it reads), and of the names the notebook's functions
-    it calls read, that hold tensors; the namespace ends as it began. `hidden`: names never
-    copied (IPython's own)."""
+    those of `reads` (the user's names it reads), and of the names the code it can call reads
+    (`reach`, given the attribute names the cell names), that hold tensors; the namespace
+    ends as it began. `hidden`: names never copied (IPython's own)."""
     __tracebackhide__ = True
     reads = set(reads)
-    found = reach(namespace, reads)
+    found = reach(namespace, reads, attributes)
     if found.unfollowed:
         raise DeviceMagicError(
             f"%%devcompare cannot run this cell on copies: {found.unfollowed[0]}, which it "

@@ -28,9 +28,9 @@ import traceback
 
 import torch
 
-from .cells import reach
 from .namespace import TensorRow, scan
 from .probes import free_and_total, torch_default_device
+from .reach import reach
 from .units import fmt_bytes
 
 PREFIX = "Hint (torch_device_magic):"
@@ -91,7 +91,7 @@ def _mismatch(
 ) -> str:
     words = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", source))  # in order, once each
     used = [name for name in words if name in namespace]
-    reached = reach(namespace, used)  # and what the notebook functions it calls read
+    reached = reach(namespace, used, words)  # and what the code it can call reads
     used += sorted(reached.names - set(used))
     rows = scan({name: namespace[name] for name in used}).rows
     rows.sort(key=lambda r: used.index(r.name))

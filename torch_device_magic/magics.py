@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, hints, moving, profiling
+from . import cells, devices, gpumem, hints, moving, profiling, reach
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
@@ -378,7 +378,8 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
                  else cells.names_read(self.shell, cell))
-        found = cells.reach(self.shell.user_ns, names)  # what the notebook functions it calls read
+        # and what the code it can call reads (the notebook's functions, a module's forward)
+        found = reach.reach(self.shell.user_ns, names, cells.attributes_read(self.shell, cell))
         names = sorted({*names, *found.names})
         moved, failed = None, False
         try:  # entered before the move: a Ctrl-C just after it still restores
@@ -564,7 +565,7 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)
         hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
         result = compare(self.shell.user_ns, run, cells.names_read(self.shell, cell), chosen,
-                         args.runs, args.warmup, hidden)
+                         args.runs, args.warmup, hidden, cells.attributes_read(self.shell, cell))
         if args.output:
             return result
         display(result)

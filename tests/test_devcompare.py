@@ -454,6 +454,57 @@ def test_torch_and_a_modules_pure_functions_are_not_refused(ip, user_module):
     assert [d.device for d in result.devices] == ["cpu", "meta"]
 
 
+def test_a_forward_hook_writing_into_a_global_writes_into_its_copy(ip):
+    ip.run_cell(
+        "model = torch.nn.Sequential(torch.nn.Linear(3, 2)); x = torch.ones(3)\n"
+        "activations = {}\n"
+        "def save(module, args, out):\n"
+        "    activations['fc1'] = out.detach()\n"
+        "model[0].register_forward_hook(save)\n"
+        "model(x)"
+    )
+    kept = ip.user_ns["activations"]["fc1"]
+    compare(ip, "cpu meta -n 2", "out = model(x)")
+    assert ip.user_ns["activations"]["fc1"] is kept and kept.device.type == "cpu"
+
+
+def test_a_users_module_holding_tensors_its_function_does_not_read_is_not_refused(
+        ip, tmp_path, monkeypatch):
+    (tmp_path / "tdm_user_utils.py").write_text(
+        "import torch\nMEAN = torch.zeros(3)\n"
+        "def standardize(x):\n    return (x - x.mean()) / x.std()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        ip.run_cell("import tdm_user_utils as utils\nx = torch.arange(3.0)\n"
+                    "def prep(t):\n    return utils.standardize(t) * 2")
+        result = compare(ip, "cpu meta -n 1 -o", "prep(x)")
+        assert [d.device for d in result.devices] == ["cpu", "meta"]
+    finally:
+        sys.modules.pop("tdm_user_utils", None)
+
+
+def test_a_data_loader_with_persistent_workers_is_compared_its_workers_left_alone(ip):
+    ip.run_cell(
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "ds = TensorDataset(torch.arange(8.0).reshape(8, 1))\n"
+        "loader = DataLoader(ds, batch_size=4, num_workers=1, persistent_workers=True)\n"
+        "model = torch.nn.Linear(1, 1)\n"
+        "def evaluate():\n"
+        "    with torch.device('cpu'):  # the loader draws its seed on the default device\n"
+        "        batches = [xb for (xb,) in loader]\n"
+        "    with torch.no_grad():\n"
+        "        return sum(model(xb.to(device)).sum() for xb in batches)\n"
+        "device = torch.device('cpu'); expected = evaluate()"
+    )
+    ns = ip.user_ns
+    workers = ns["loader"]._iterator
+    result = compare(ip, "cpu meta -n 2 -o", "evaluate()")
+    assert result.devices[0].max_abs_diff is None and len(result.devices[1].runs_s) == 2
+    assert ns["loader"]._iterator is workers  # the user's live workers are not touched
+    ip.run_cell("again = evaluate()")
+    assert torch.equal(ns["again"], ns["expected"])
+
+
 # --- generators ---------------------------------------------------------------------------
 
 def test_the_users_own_generators_are_put_back(ip):

@@ -45,12 +45,13 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
 
 from .default_device import lifted
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
-from .namespace import generators, holds_tensors, tensors_in
+from .namespace import found_in, generators, holds_tensors, tensors_in
 from .probes import active_accelerator, clock, empty_cache, free_bytes
 from .reach import reach
 from .reports import Table
@@ -357,6 +358,10 @@ class _SharePlan:
                     self.tensors.setdefault(id(part), part)
                     self.reached.setdefault(storage_key(part), set()).add(name)
         self.copied = {k for k, reach in self.reached.items() if reach & written}
+        # A DataLoader with persistent workers keeps their live iterator, which cannot be
+        # copied (nor pickled): its copy starts workers of its own, on the copied dataset.
+        self.iterators = [loader._iterator for loader in found_in(objs.values(), DataLoader)
+                          if loader._iterator is not None]
         self.aliases: list[Tensor] = []
         self.made: list[weakref.ref] = []
 
@@ -382,7 +387,7 @@ class _SharePlan:
 
     def memo(self) -> dict[int, Any]:
         """A deepcopy memo that already holds each tensor's copy or alias."""
-        memo: dict[int, Any] = {}
+        memo: dict[int, Any] = {id(it): None for it in self.iterators}
         for t in self.tensors.values():
             self._made(t, memo)
         return memo

@@ -454,18 +454,21 @@ def test_torch_and_a_modules_pure_functions_are_not_refused(ip, user_module):
     assert [d.device for d in result.devices] == ["cpu", "meta"]
 
 
-def test_a_forward_hook_writing_into_a_global_writes_into_its_copy(ip):
+@pytest.mark.parametrize("before", ["model(x)", "pass"])  # the dict filled, or still empty
+def test_a_forward_hook_writing_into_a_global_writes_into_its_copy(ip, before):
     ip.run_cell(
         "model = torch.nn.Sequential(torch.nn.Linear(3, 2)); x = torch.ones(3)\n"
         "activations = {}\n"
         "def save(module, args, out):\n"
         "    activations['fc1'] = out.detach()\n"
         "model[0].register_forward_hook(save)\n"
-        "model(x)"
+        f"{before}"
     )
-    kept = ip.user_ns["activations"]["fc1"]
+    activations = ip.user_ns["activations"]
+    kept = dict(activations)
     compare(ip, "cpu meta -n 2", "out = model(x)")
-    assert ip.user_ns["activations"]["fc1"] is kept and kept.device.type == "cpu"
+    assert ip.user_ns["activations"] is activations and activations == kept
+    assert all(t.device.type == "cpu" for t in activations.values())
 
 
 def test_a_users_module_holding_tensors_its_function_does_not_read_is_not_refused(

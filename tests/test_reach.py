@@ -128,6 +128,17 @@ def test_calling_a_module_follows_its_forward_not_its_other_methods(net):
     assert "followed into Net.forward: mask" in found.notes()
 
 
+def test_a_constructor_is_followed_where_the_class_is_named_not_through_an_instance(net):
+    exec("embeddings = torch.ones(2)\n"
+         "class Embedded(Net):\n"
+         "    def __init__(self):\n"
+         "        super().__init__()\n"
+         "        self.table = embeddings.clone()\n"
+         "made = Embedded()", net)
+    assert "embeddings" not in reached(net, "made(x)").names
+    assert "embeddings" in reached(net, "again = Embedded()").names
+
+
 def test_a_method_the_cell_names_is_followed(net):
     assert {"train_x", "mask"} <= reached(net, "model.fit()").names
     assert "gallery" in reached(net, "model.show_examples()").names

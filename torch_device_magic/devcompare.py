@@ -156,7 +156,10 @@ def compare(
             "function in the notebook)"
         )
     read = {n for n in reads | found.names if n in namespace and n not in hidden}
-    names = sorted(n for n in read if holds_tensors(namespace[n]))
+    # What a hook fills (`activations = {}`) is copied even while it holds no tensor yet:
+    # the copies of a module call their hooks, which must not write into the user's dict.
+    names = sorted(n for n in read if holds_tensors(namespace[n])
+                   or (n in found.hooked and isinstance(namespace[n], (dict, list, set))))
     kept = generators(namespace[n] for n in sorted(read))
     timings: list[DeviceTiming] = []
     reference = None

@@ -14,7 +14,9 @@ from the names, transitively:
   loads and stores (`dis`), nested functions and comprehensions included;
 - a method of the notebook's classes only where the code followed names it
   (`trainer.fit()` names `fit`; so does `self.fit` in a method followed), and
-  the dunder methods, which Python calls from syntax (`Net()`, `ds[i]`);
+  the dunder methods, which Python calls from syntax (`ds[i]`, `len(ds)`);
+  `__init__` and `__new__` only where the class itself is reached (`Net()`),
+  not through an instance made before;
 - an `nn.Module` reached counts as called: its `forward` and those of its
   submodules, and their hooks (forward, forward-pre, backward, backward-pre,
   the global module hooks, and the hooks of their parameters and buffers);
@@ -95,6 +97,7 @@ class Reach:
     # function -> the names it reads that hold tensors, modules or optimizers (what moves)
     followed: dict[str, list[str]] = field(default_factory=dict)
     unfollowed: list[Unfollowed] = field(default_factory=list)
+    hooked: set[str] = field(default_factory=set)  # names hooks read: a dict a hook fills
     truncated: bool = False  # REACH_LIMIT objects were looked at: there may be more
 
     def notes(self) -> list[str]:
@@ -130,6 +133,7 @@ class _Reacher:
         self.waiting: dict[str, list[Callable[[], None]]] = {}  # what follows once named
         self.roles: dict[int, str] = {}  # a hook -> what it hooks: "forward hook of model"
         self.holding: dict[int, bool] = {}  # holds_tensors, asked once an object
+        self.classes: set[type] = set()  # whose methods wait on their names
 
     def push(self, obj: object, label: str) -> None:
         if type(obj) in _ATOMS or id(obj) in self.seen:
@@ -183,8 +187,9 @@ class _Reacher:
                 self.found.unfollowed.append(Unfollowed(label, tuple(held), "<partial>"))
         elif isinstance(obj, types.ModuleType):
             self._module(obj, label)
-        elif isinstance(obj, type):
+        elif isinstance(obj, type):  # named: it may be called, which runs its constructors
             self._class(obj)
+            self.name((_constructed(obj),))
         elif isinstance(obj, (list, tuple, dict)):
             items = obj.values() if isinstance(obj, dict) else obj
             for item in itertools.islice(items, _ITEMS_LOOKED_AT):
@@ -208,10 +213,12 @@ class _Reacher:
             return
         if not (own and self.ns.get(label) is fn):  # by the name it is called by, if any
             label = _label(fn, self.ns)
-        if id(fn) in self.roles:
-            label = f"{label} ({self.roles[id(fn)]})"
         names, attributes = code_names(fn.__code__)
         read = [n for n in names if n in g]
+        if id(fn) in self.roles:
+            label = f"{label} ({self.roles[id(fn)]})"
+            if own:
+                self.found.hooked.update(read)
         if own:
             self.found.names.update(read)
             followed = self.found.followed.setdefault(label, [])
@@ -263,7 +270,11 @@ class _Reacher:
         self.push(value, f"{module}.{attr}")
 
     def _class(self, cls: type) -> None:
-        """A class's methods that can be called: those named, and the dunder methods."""
+        """A class's methods that can be called: those named, the dunder methods, and its
+        constructors where the class itself is reached (an instance's are done)."""
+        if cls in self.classes:
+            return
+        self.classes.add(cls)
         for klass in cls.__mro__:
             methods = [(attr, fn) for attr, value in vars(klass).items()
                        for fn in (value, getattr(value, "__func__", None),
@@ -275,13 +286,15 @@ class _Reacher:
                 continue  # torch's, the standard library's: no notebook's globals
             for attr, fn in methods:
                 follow = functools.partial(self.push, fn, _label(fn, self.ns))
-                if attr.startswith("__") and attr.endswith("__"):
+                if attr in _CONSTRUCTORS:
+                    self.when_named(_constructed(cls), follow)
+                elif attr.startswith("__") and attr.endswith("__"):
                     follow()  # Python calls them from syntax: `Net()`, `ds[i]`, `len(ds)`
                 else:
                     self.when_named(attr, follow)
 
     def _instance(self, obj: object, label: str) -> None:
-        self.push(type(obj), label)
+        self._class(type(obj))
         for attr, value in getattr(obj, "__dict__", {}).items():  # callbacks kept on it
             if callable(value):
                 self.when_named(attr, functools.partial(self.push, value, label))
@@ -309,6 +322,14 @@ class _Reacher:
                 fn = getattr(hook, "__func__", getattr(hook, "func", hook))  # a method, a partial
                 self.roles.setdefault(id(fn), role)
                 self.push(hook, role)
+
+
+_CONSTRUCTORS = frozenset({"__new__", "__init__", "__post_init__"})
+
+
+def _constructed(cls: type) -> str:
+    """The name that stands for calling `cls` (no attribute can have it)."""
+    return f"<{id(cls)}()>"
 
 
 _ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), types.BuiltinFunctionType})

@@ -435,6 +435,9 @@ NOTHING_RAN = ", which it would change for real; nothing ran (pass them as argum
      "step keeps m in a closure"),
     ("def step(m=model):\n    return m.weight.sum()", "step()",
      "step holds m as default arguments"),
+    ("def saving(store):\n    def save(m, a, out):\n        store['out'] = out\n    return save\n"
+     "model.register_forward_hook(saving({'out': model.weight}))", "model(torch.ones(2))",
+     "saving.<locals>.save (forward hook of model) keeps store in a closure"),
 ])
 def test_a_function_whose_tensors_cannot_be_copied_is_refused_in_one_line(
         ip, user_module, setup, cell, why):

@@ -319,9 +319,11 @@ class TorchDeviceMagics(Magics):
         - Names are the global names the cell's code reads (the roots of
           `a.b[c]` too), also inside the functions and lambdas it defines, but
           not their parameters, loop variables or locals; and the globals that
-          the notebook's own functions it calls read (methods of its classes,
-          lambdas, partials and decorated functions too), transitively: a
-          `train_step()` that uses a global model and optimizer moves them.
+          the code it can call reads, transitively: the notebook's functions,
+          lambdas, partials and decorated functions it names, the methods it
+          names (`trainer.fit()`), and a module's forward and hooks (calling
+          `model(x)` does not follow its other methods). A `train_step()`
+          that uses a global model and optimizer moves them.
           What cannot follow stays where it is, and -v names it: the globals
           of a module of your own (`train.py`), a closure's or a default
           argument's tensors. Names inside nested magics (`%time f(x)`) are
@@ -531,9 +533,10 @@ class TorchDeviceMagics(Magics):
 
         On each device the cell gets copies of what it reads that holds tensors
         (models, optimizers, containers, and objects holding them such as a
-        TensorDataset or an LR scheduler), also what the notebook's own
-        functions it calls read (`loss = train_step()` trains copies of the
-        global model and optimizer, never yours), with that device as torch's
+        TensorDataset or an LR scheduler), also what the code it can call reads
+        (`loss = train_step()` trains copies of the global model and optimizer,
+        never yours; a forward hook fills a copy of your `activations` dict),
+        with that device as torch's
         default and as `device` (the CPU runs with no default device installed,
         even under %device). A function that reaches tensors through no name of
         the notebook (a module of your own's globals, a closure, a default

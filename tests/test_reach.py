@@ -175,6 +175,17 @@ def test_a_hook_is_labelled_with_what_it_hooks(net):
     assert "followed into save (forward hook of model.fc1): activations" in notes
 
 
+def test_callbacks_kept_on_an_object_installed_code_calls_are_followed_not_others(net):
+    exec("from torch.utils.data import DataLoader\n"
+         "def collate(batch):\n    return torch.stack(batch) * mask\n"
+         "loader = DataLoader([torch.ones(2)], collate_fn=collate)\n"
+         "def log_examples():\n    return gallery\n"
+         "model.on_epoch = log_examples", net)
+    assert "mask" in reached(net, "for b in loader:\n    pass").names
+    assert "gallery" not in reached(net, "model(x)").names  # nothing names on_epoch
+    assert "gallery" in reached(net, "model.on_epoch()").names
+
+
 def test_a_tensors_own_hook_is_followed(net):
     exec("def clip(grad):\n    seen.append(mask)\nx.requires_grad_()\nx.register_hook(clip)", net)
     assert {"seen", "mask"} <= reached(net, "x.sum()").names

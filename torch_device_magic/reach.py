@@ -280,9 +280,7 @@ class _Reacher:
                        for fn in (value, getattr(value, "__func__", None),
                                   getattr(value, "fget", None), getattr(value, "fset", None))
                        if isinstance(fn, types.FunctionType)]
-            module = sys.modules.get(klass.__module__)
-            if (module is not None and _installed(vars(module))
-                    and not any(fn.__globals__ is self.ns for _, fn in methods)):
+            if not self._users(klass):
                 continue  # torch's, the standard library's: no notebook's globals
             for attr, fn in methods:
                 follow = functools.partial(self.push, fn, _label(fn, self.ns))
@@ -295,11 +293,25 @@ class _Reacher:
 
     def _instance(self, obj: object, label: str) -> None:
         self._class(type(obj))
-        for attr, value in getattr(obj, "__dict__", {}).items():  # callbacks kept on it
+        # Callbacks kept on it: a notebook class's run where named; an installed class's
+        # (a DataLoader's collate_fn) are called by code not looked into, so always.
+        installed = not self._users(type(obj))
+        for attr, value in getattr(obj, "__dict__", {}).items():
             if callable(value):
-                self.when_named(attr, functools.partial(self.push, value, label))
+                follow = functools.partial(self.push, value, label)
+                if installed:
+                    follow()
+                else:
+                    self.when_named(attr, follow)
         if isinstance(obj, torch.nn.Module):
             self._called(obj, label)
+
+    def _users(self, cls: type) -> bool:
+        """Whether `cls` is the notebook's or a module's of the user's own, not installed."""
+        if cls.__module__ == self.ns.get("__name__"):
+            return True  # under pytest or python -m, `__main__` is an installed file
+        module = sys.modules.get(cls.__module__)
+        return module is None or not _installed(vars(module))
 
     def _called(self, module: torch.nn.Module, label: str) -> None:
         """What calling `module` runs: its forward and hooks, its submodules' (pushed in

@@ -511,6 +511,22 @@ def test_a_data_loader_with_persistent_workers_is_compared_its_workers_left_alon
     assert torch.equal(ns["again"], ns["expected"])
 
 
+def test_an_iterator_over_a_data_loader_is_refused_in_one_line_saying_what_to_do(ip):
+    ip.run_cell(
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "loader = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2)\n"
+        "it = iter(loader)"
+    )
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%devcompare cpu meta\nran = next(it)")
+    assert str(err.value) == (
+        "%%devcompare cannot copy an iterator over a DataLoader that the cell reads "
+        "(`iter(loader)`: its place in the epoch and its worker processes cannot be copied); "
+        "nothing ran (iterate the DataLoader itself in the cell: for batch in loader)")
+    assert "ran" not in ip.user_ns
+    assert next(ip.user_ns["it"])[0].tolist() == [0.0, 1.0]  # its place in the epoch kept
+
+
 # --- generators ---------------------------------------------------------------------------
 
 def test_the_users_own_generators_are_put_back(ip):

@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .default_device import lifted
 from .devices import Inventory, resolve
@@ -343,6 +344,13 @@ def _copies(ns: dict, names: list[str], dev: torch.device, written: set[str]) ->
     return _Inputs(copies, plan.shared_names(), plan.aliases, plan.made)
 
 
+_LIVE_ITERATOR = (
+    "%%devcompare cannot copy an iterator over a DataLoader that the cell reads (`iter(loader)`"
+    ": its place in the epoch and its worker processes cannot be copied); nothing ran "
+    "(iterate the DataLoader itself in the cell: for batch in loader)"
+)
+
+
 class _SharePlan:
     """Which tensors `objs` reach are shared and which copied, and what the copies weigh."""
 
@@ -363,8 +371,12 @@ class _SharePlan:
         self.copied = {k for k, reach in self.reached.items() if reach & written}
         # A DataLoader with persistent workers keeps their live iterator, which cannot be
         # copied (nor pickled): its copy starts workers of its own, on the copied dataset.
-        self.iterators = [loader._iterator for loader in found_in(objs.values(), DataLoader)
-                          if loader._iterator is not None]
+        # An iterator bound apart from its loader is the cell's place in an epoch: refused.
+        loaders = found_in(objs.values(), DataLoader, _BaseDataLoaderIter)
+        if any(isinstance(it, _BaseDataLoaderIter) for it in loaders):
+            raise DeviceMagicError(_LIVE_ITERATOR)
+        self.iterators = [loader._iterator for loader in loaders
+                          if isinstance(loader, DataLoader) and loader._iterator is not None]
         self.aliases: list[Tensor] = []
         self.made: list[weakref.ref] = []
 

@@ -178,10 +178,10 @@ def generators(objs: Iterable[object]) -> list[torch.Generator]:
     return found_in(objs, torch.Generator)
 
 
-def found_in(objs: Iterable[object], kind: type[_T]) -> list[_T]:
-    """The objects of `kind` that `objs` reach through containers and attributes, not
+def found_in(objs: Iterable[object], *kinds: type[_T]) -> list[_T]:
+    """The objects of `kinds` that `objs` reach through containers and attributes, not
     entering them, nor tensors, modules and optimizers; each once, WALK_LIMIT at most."""
-    return [item for item in _reached(objs, (*_HOLDS, kind)) if isinstance(item, kind)]
+    return [item for item in _reached(objs, (*_HOLDS, *kinds)) if isinstance(item, kinds)]
 
 
 def tensors_in(objs: Iterable[object]) -> list[Tensor]:

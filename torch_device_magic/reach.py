@@ -134,6 +134,7 @@ class _Reacher:
         self.roles: dict[int, str] = {}  # a hook -> what it hooks: "forward hook of model"
         self.holding: dict[int, bool] = {}  # holds_tensors, asked once an object
         self.classes: set[type] = set()  # whose methods wait on their names
+        self.users: dict[type, bool] = {}  # _users, asked once a class
 
     def push(self, obj: object, label: str) -> None:
         if type(obj) in _ATOMS or id(obj) in self.seen:
@@ -276,12 +277,12 @@ class _Reacher:
             return
         self.classes.add(cls)
         for klass in cls.__mro__:
+            if not self._users(klass):
+                continue  # torch's, the standard library's: no notebook's globals
             methods = [(attr, fn) for attr, value in vars(klass).items()
                        for fn in (value, getattr(value, "__func__", None),
                                   getattr(value, "fget", None), getattr(value, "fset", None))
                        if isinstance(fn, types.FunctionType)]
-            if not self._users(klass):
-                continue  # torch's, the standard library's: no notebook's globals
             for attr, fn in methods:
                 follow = functools.partial(self.push, fn, _label(fn, self.ns))
                 if attr in _CONSTRUCTORS:
@@ -308,29 +309,34 @@ class _Reacher:
 
     def _users(self, cls: type) -> bool:
         """Whether `cls` is the notebook's or a module's of the user's own, not installed."""
-        if cls.__module__ == self.ns.get("__name__"):
-            return True  # under pytest or python -m, `__main__` is an installed file
-        module = sys.modules.get(cls.__module__)
-        return module is None or not _installed(vars(module))
+        if cls not in self.users:
+            module = sys.modules.get(cls.__module__)
+            # under pytest or python -m, `__main__` is an installed file
+            self.users[cls] = (cls.__module__ == self.ns.get("__name__") or module is None
+                               or not _installed(vars(module)))
+        return self.users[cls]
 
     def _called(self, module: torch.nn.Module, label: str) -> None:
         """What calling `module` runs: its forward and hooks, its submodules' (pushed in
-        turn), and the hooks of its own parameters and buffers (those run in backward)."""
-        self.name(("forward",))
+        turn), and the hooks of its own parameters and buffers (those run in backward).
+        Its dicts are read directly: `named_children()` and the like cost far more."""
+        if "forward" not in self.named:  # the first module: every module's call runs these
+            self.name(("forward",))
+            for attr, kind in _MODULE_HOOKS:
+                self._hooks(torch.nn.modules.module, (f"_global{attr}",), f"global {kind} hook")
         for attr, kind in _MODULE_HOOKS:
             self._hooks(module, (attr,), f"{kind} hook of {label}")
-            self._hooks(torch.nn.modules.module, (f"_global{attr}",), f"global {kind} hook")
-        for name, sub in module.named_children():
+        for name, sub in module._modules.items():
             self.push(sub, f"{label}.{name}")
-        tensors = itertools.chain(module.named_parameters(recurse=False),
-                                  module.named_buffers(recurse=False))
-        for name, t in tensors:
-            self._hooks(t, _TENSOR_HOOKS, f"hook of {label}.{name}")
+        for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
+            if t is not None:
+                self._hooks(t, _TENSOR_HOOKS, f"hook of {label}.{name}")
 
     def _hooks(self, owner: object, attrs: Iterable[str], role: str) -> None:
         """Follow the hooks `owner` keeps in its dicts `attrs`, labelled with `role`."""
         for attr in attrs:
-            for hook in (getattr(owner, attr, None) or {}).values():
+            hooks = getattr(owner, attr, None)
+            for hook in hooks.values() if hooks else ():
                 fn = getattr(hook, "__func__", getattr(hook, "func", hook))  # a method, a partial
                 self.roles.setdefault(id(fn), role)
                 self.push(hook, role)

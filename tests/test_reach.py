@@ -158,7 +158,7 @@ def test_the_hooks_of_a_called_module_are_followed(net, register):
          "    activations['fc1'] = out\n"
          f"{register}", net)
     try:
-        found = reached(net, "out = model(x)")
+        found = reached(net, "out = model.forward(x)" if "handle" in net else "out = model(x)")
     finally:
         if "handle" in net:
             net["handle"].remove()

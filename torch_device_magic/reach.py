@@ -135,6 +135,7 @@ class _Reacher:
         self.holding: dict[int, bool] = {}  # holds_tensors, asked once an object
         self.classes: set[type] = set()  # whose methods wait on their names
         self.users: dict[type, bool] = {}  # _users, asked once a class
+        self.called = False  # whether a module was reached (and so may be called)
 
     def push(self, obj: object, label: str) -> None:
         if type(obj) in _ATOMS or id(obj) in self.seen:
@@ -320,7 +321,8 @@ class _Reacher:
         """What calling `module` runs: its forward and hooks, its submodules' (pushed in
         turn), and the hooks of its own parameters and buffers (those run in backward).
         Its dicts are read directly: `named_children()` and the like cost far more."""
-        if "forward" not in self.named:  # the first module: every module's call runs these
+        if not self.called:  # the first module: every module's call runs these
+            self.called = True
             self.name(("forward",))
             for attr, kind in _MODULE_HOOKS:
                 self._hooks(torch.nn.modules.module, (f"_global{attr}",), f"global {kind} hook")

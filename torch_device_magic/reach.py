@@ -24,7 +24,10 @@ from the names, transitively:
   the training set, is followed only where some code names `fit`;
 - a module of the user's own (`utils.py`, not installed) by the attributes
   read from it: `utils.standardize(x)` follows `standardize`, and only a
-  tensor that is read (`utils.MEAN`) cannot be followed.
+  tensor that is read (`utils.MEAN`) cannot be followed;
+- callables kept in an object's attributes: an installed class's (a
+  DataLoader's `collate_fn`) always, since code not looked into calls them;
+  a notebook class's where named.
 
 Where the code followed reaches tensors that no name of the notebook holds
 (its own module's globals, a closure, a default argument, a partial), that is

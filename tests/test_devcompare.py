@@ -498,17 +498,24 @@ def test_a_data_loader_with_persistent_workers_is_compared_its_workers_left_alon
         "def evaluate():\n"
         "    with torch.device('cpu'):  # the loader draws its seed on the default device\n"
         "        batches = [xb for (xb,) in loader]\n"
+        "    seen.append(batches[0].device.type)\n"
         "    with torch.no_grad():\n"
         "        return sum(model(xb.to(device)).sum() for xb in batches)\n"
-        "device = torch.device('cpu'); expected = evaluate()"
+        "device = torch.device('cpu'); seen = []; expected = evaluate(); seen.clear()"
     )
     ns = ip.user_ns
     workers = ns["loader"]._iterator
-    result = compare(ip, "cpu meta -n 2 -o", "evaluate()")
-    assert result.devices[0].max_abs_diff is None and len(result.devices[1].runs_s) == 2
-    assert ns["loader"]._iterator is workers  # the user's live workers are not touched
-    ip.run_cell("again = evaluate()")
-    assert torch.equal(ns["again"], ns["expected"])
+    try:
+        result = compare(ip, "cpu meta -n 2 -o", "evaluate()")
+        assert result.devices[0].max_abs_diff is None and len(result.devices[1].runs_s) == 2
+        # what the workers read stays where it is (a forked worker cannot use CUDA): the
+        # cell's loop moves the batches it gets
+        assert ns["seen"] == ["cpu"] * 6
+        assert ns["loader"]._iterator is workers  # the user's live workers are not touched
+        ip.run_cell("again = evaluate()")
+        assert torch.equal(ns["again"], ns["expected"])
+    finally:
+        workers._shutdown_workers()  # not left to later tests, whose reports count them
 
 
 def test_an_iterator_over_a_data_loader_is_refused_in_one_line_saying_what_to_do(ip):

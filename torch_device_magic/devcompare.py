@@ -370,18 +370,30 @@ class _SharePlan:
                     self.reached.setdefault(storage_key(part), set()).add(name)
         self.copied = {k for k, reach in self.reached.items() if reach & written}
         # A DataLoader with persistent workers keeps their live iterator, which cannot be
-        # copied (nor pickled): its copy starts workers of its own, on the copied dataset.
+        # copied (nor pickled): its copy starts workers of its own, on the dataset's copy.
         # An iterator bound apart from its loader is the cell's place in an epoch: refused.
         loaders = found_in(objs.values(), DataLoader, _BaseDataLoaderIter)
         if any(isinstance(it, _BaseDataLoaderIter) for it in loaders):
             raise DeviceMagicError(_LIVE_ITERATOR)
         self.iterators = [loader._iterator for loader in loaders
                           if isinstance(loader, DataLoader) and loader._iterator is not None]
+        # What a loader's worker processes read stays where it is: a forked worker cannot
+        # use CUDA, and the cell's loop moves the batches it gets itself.
+        self.stay = {storage_key(t) for t in tensors_in(
+            loader.dataset for loader in loaders
+            if isinstance(loader, DataLoader) and loader.num_workers > 0)}
         self.aliases: list[Tensor] = []
         self.made: list[weakref.ref] = []
 
     def shareable(self, t: Tensor) -> bool:
-        return t.device == self.dev and storage_key(t) not in self.copied
+        key = storage_key(t)
+        return (t.device == self.dev or key in self.stay) and key not in self.copied
+
+    def _where(self, t: Tensor) -> torch.device:
+        """Where `t`'s copy goes: `dev`, but for what a loader's workers read, and a scalar
+        (an optimizer's `step`), copied where it is: the move then applies torch's rule,
+        which keeps `step` on the CPU."""
+        return t.device if t.dim() == 0 or storage_key(t) in self.stay else self.dev
 
     def check_fits(self) -> None:
         """Refuse before copying what the target has no room for."""
@@ -411,9 +423,7 @@ class _SharePlan:
         if id(t) in memo:
             return memo[id(t)]
         share = self.shareable(t)
-        # A scalar (an optimizer's `step`) is copied where it is: the move then applies
-        # torch's rule, which keeps `step` on the CPU.
-        new = _rebuilt(t, memo, t.device if t.dim() == 0 else self.dev, share)
+        new = _rebuilt(t, memo, self._where(t), share)
         if t.is_leaf:
             grad = None if t.grad is None else self._made(t.grad, memo)
             if type(t) is torch.nn.Parameter:

@@ -5,7 +5,7 @@
     >>> [(d.device, d.median_s, d.speedup, d.max_abs_diff) for d in result.devices]
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
-The names the cell reads, and those the notebook's functions it calls read
+The names the cell reads, and those the code it can call reads
 (`reach.reach`), are its inputs; a function that reaches tensors through no
 name of the notebook (its own module's globals, a closure) is refused before
 anything runs. For each device in turn the inputs that hold tensors (in
@@ -13,7 +13,8 @@ containers or in any object's attributes: a dataset, an LR scheduler) are
 deep-copied together (aliases and views stay shared among the copies), the
 memo seeded with each tensor's copy: a tensor on another device is copied
 straight to the device, one already there is *shared* (a new tensor on its
-storage), unless `--warmup 0`. The first warm-up runs under `_WriteGuard`,
+storage), unless `--warmup 0`; what a DataLoader's worker processes read is
+shared where it is. The first warm-up runs under `_WriteGuard`,
 which stops it before any operator writes into a shared storage; what the
 name that reached it holds is then copied and the warm-up made again. The copies
 are moved there with the `%%ondevice` mover; the cell runs with that device as

@@ -428,11 +428,16 @@ NOTHING_RAN = ", which it would change for real; nothing ran (pass them as argum
     ("from tdm_user_train import fit", "fit()",
      "tdm_user_train.fit reads model from its module tdm_user_train"),
     ("import tdm_user_train", "tdm_user_train.fit()",
+     "tdm_user_train.fit reads model from its module tdm_user_train"),
+    ("import tdm_user_train", "tdm_user_train.model.weight.sum()",
      "tdm_user_train is a module of your own that holds model"),
     ("def make():\n    m = model\n    return lambda: m.weight.sum()\nstep = make()", "step()",
      "step keeps m in a closure"),
     ("def step(m=model):\n    return m.weight.sum()", "step()",
      "step holds m as default arguments"),
+    ("def saving(store):\n    def save(m, a, out):\n        store['out'] = out\n    return save\n"
+     "model.register_forward_hook(saving({'out': model.weight}))", "model(torch.ones(2))",
+     "saving.<locals>.save (forward hook of model) keeps store in a closure"),
 ])
 def test_a_function_whose_tensors_cannot_be_copied_is_refused_in_one_line(
         ip, user_module, setup, cell, why):
@@ -450,6 +455,83 @@ def test_torch_and_a_modules_pure_functions_are_not_refused(ip, user_module):
                 "x = torch.randn(3)\ndef mine(t):\n    return F.relu(torch.matmul(t, t)) + pure(t)")
     result = compare(ip, "cpu meta -n 1 -o", "F.relu(x) + torch.matmul(x, x) + pure(x) + mine(x)")
     assert [d.device for d in result.devices] == ["cpu", "meta"]
+
+
+@pytest.mark.parametrize("before", ["model(x)", "pass"])  # the dict filled, or still empty
+def test_a_forward_hook_writing_into_a_global_writes_into_its_copy(ip, before):
+    ip.run_cell(
+        "model = torch.nn.Sequential(torch.nn.Linear(3, 2)); x = torch.ones(3)\n"
+        "activations = {}\n"
+        "def save(module, args, out):\n"
+        "    activations['fc1'] = out.detach()\n"
+        "model[0].register_forward_hook(save)\n"
+        f"{before}"
+    )
+    activations = ip.user_ns["activations"]
+    kept = dict(activations)
+    compare(ip, "cpu meta -n 2", "out = model(x)")
+    assert ip.user_ns["activations"] is activations and activations == kept
+    assert all(t.device.type == "cpu" for t in activations.values())
+
+
+def test_a_users_module_holding_tensors_its_function_does_not_read_is_not_refused(
+        ip, tmp_path, monkeypatch):
+    (tmp_path / "tdm_user_utils.py").write_text(
+        "import torch\nMEAN = torch.zeros(3)\n"
+        "def standardize(x):\n    return (x - x.mean()) / x.std()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        ip.run_cell("import tdm_user_utils as utils\nx = torch.arange(3.0)\n"
+                    "def prep(t):\n    return utils.standardize(t) * 2")
+        result = compare(ip, "cpu meta -n 1 -o", "prep(x)")
+        assert [d.device for d in result.devices] == ["cpu", "meta"]
+    finally:
+        sys.modules.pop("tdm_user_utils", None)
+
+
+def test_a_data_loader_with_persistent_workers_is_compared_its_workers_left_alone(ip):
+    ip.run_cell(
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "ds = TensorDataset(torch.arange(8.0).reshape(8, 1))\n"
+        "loader = DataLoader(ds, batch_size=4, num_workers=1, persistent_workers=True)\n"
+        "model = torch.nn.Linear(1, 1)\n"
+        "def evaluate():\n"
+        "    with torch.device('cpu'):  # the loader draws its seed on the default device\n"
+        "        batches = [xb for (xb,) in loader]\n"
+        "    seen.append(batches[0].device.type)\n"
+        "    with torch.no_grad():\n"
+        "        return sum(model(xb.to(device)).sum() for xb in batches)\n"
+        "device = torch.device('cpu'); seen = []; expected = evaluate(); seen.clear()"
+    )
+    ns = ip.user_ns
+    workers = ns["loader"]._iterator
+    try:
+        result = compare(ip, "cpu meta -n 2 -o", "evaluate()")
+        assert result.devices[0].max_abs_diff is None and len(result.devices[1].runs_s) == 2
+        # what the workers read stays where it is (a forked worker cannot use CUDA): the
+        # cell's loop moves the batches it gets
+        assert ns["seen"] == ["cpu"] * 6
+        assert ns["loader"]._iterator is workers  # the user's live workers are not touched
+        ip.run_cell("again = evaluate()")
+        assert torch.equal(ns["again"], ns["expected"])
+    finally:
+        workers._shutdown_workers()  # not left to later tests, whose reports count them
+
+
+def test_an_iterator_over_a_data_loader_is_refused_in_one_line_saying_what_to_do(ip):
+    ip.run_cell(
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "loader = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2)\n"
+        "it = iter(loader)"
+    )
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%devcompare cpu meta\nran = next(it)")
+    assert str(err.value) == (
+        "%%devcompare cannot copy an iterator over a DataLoader that the cell reads "
+        "(`iter(loader)`: its place in the epoch and its worker processes cannot be copied); "
+        "nothing ran (iterate the DataLoader itself in the cell: for batch in loader)")
+    assert "ran" not in ip.user_ns
+    assert next(ip.user_ns["it"])[0].tolist() == [0.0, 1.0]  # its place in the epoch kept
 
 
 # --- generators ---------------------------------------------------------------------------

@@ -453,7 +453,39 @@ def test_a_cell_that_calls_a_notebook_function_moves_what_the_function_reads(ip,
     assert all(t.device == META for s in ns["opt"].state.values()
                for k, t in s.items() if k != "step")
     out = capsys.readouterr().out.splitlines()
-    assert "followed into train_step: opt, loss_of, model, batch" in out
+    assert "followed into train_step: opt, model, batch" in out  # not loss_of: no tensor
+
+
+NET = """\
+train_x = torch.randn(64, 3); gallery = [torch.randn(3) for _ in range(4)]
+scale = torch.ones(2)
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(3, 2)
+    def forward(self, x):
+        return self.fc1(x) * scale
+    def fit(self):
+        return self(train_x).sum()
+    def show_examples(self):
+        return [self(g) for g in gallery]
+net = Net()
+"""
+
+
+def test_calling_a_module_moves_what_its_forward_reads_not_what_its_other_methods_read(
+        ip, ns, capsys):
+    ip.run_cell(NET)
+    train_x, gallery = ns["train_x"].clone(), [g.clone() for g in ns["gallery"]]
+    capsys.readouterr()
+    out = ip.run_cell_magic("ondevice", "meta -v", "out = net(x[:3])\nout")
+    assert out.device == META and ns["scale"].device == META  # read by forward: moved
+    # read only by methods the cell never calls: on the CPU with their data
+    assert torch.equal(ns["train_x"], train_x)
+    assert all(map(torch.equal, ns["gallery"], gallery))
+    assert "followed into Net.forward: scale" in capsys.readouterr().out.splitlines()
+    ip.run_cell("%%ondevice meta\nnet.fit()")  # a cell that names fit moves what fit reads
+    assert ns["train_x"].device == META and ns["gallery"][0].device.type == "cpu"
 
 
 def test_verbose_names_what_a_function_of_the_users_own_module_keeps(ip, ns, tmp_path,

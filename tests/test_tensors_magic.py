@@ -177,7 +177,8 @@ def test_magic_lists_and_returns_rows(ip, capsys):
 
 def test_report_renders_html_too():
     bundle = scan({"x": torch.zeros(2)})._repr_mimebundle_()
-    assert "<table>" in bundle["text/html"] and '<td style="text-align:left">x</td>' in bundle["text/html"]
+    html = bundle["text/html"]
+    assert "<table>" in html and '<td style="text-align:left">x</td>' in html
     assert bundle["text/plain"].startswith("tensors in the namespace (1 name)")
 
 

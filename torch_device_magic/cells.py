@@ -13,36 +13,21 @@ nothing and reads as a plain cell's syntax error, then one line; top-level
 `cell_names` says which of the namespace's names a cell reads, for the magics
 that move or copy them first: the free global names, found with `symtable`, so
 that a parameter, a comprehension's variable or a function's local that shares
-a name with a global is not taken for it. `reach` adds what the notebook's own
-functions that those names hold read when called (their code's global loads,
-found with `dis`, transitively), and says where a function reaches tensors
-that no name of the notebook holds (a module of the user's own, a closure).
+a name with a global is not taken for it; `cell_attributes` the attribute names
+it names (`fit` in `trainer.fit()`), which say which methods it can call. What
+the functions the cell calls read is `reach.py`'s.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
-import dis
-import functools
 import io
-import itertools
-import os
-import site
 import symtable
-import sys
-import sysconfig
 import tokenize
-import types
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from .errors import DeviceMagicError
-from .namespace import holds_tensors
 
 
 def run(shell: Any, cell: str) -> Any:
@@ -173,6 +158,22 @@ def names_read(shell: Any, cell: str) -> set[str]:
     return cell_names(shell.transform_cell(cell))
 
 
+def attributes_read(shell: Any, cell: str) -> set[str]:
+    """The attribute names `cell` names, once IPython has made Python of it (see
+    `cell_attributes`)."""
+    return cell_attributes(shell.transform_cell(cell))
+
+
+def cell_attributes(source: str) -> set[str]:
+    """The attribute names `source` names anywhere (`fit` and `steps` in
+    `trainer.fit(); trainer.steps`): the methods it can call are among them."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()  # the cell runner reports it
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+
+
 def cell_names(source: str) -> set[str]:
     """The global names `source` reads: in its own lines (the roots of `a.b[c]` included)
     and in the functions, lambdas, classes and comprehensions it defines, but not
@@ -220,260 +221,3 @@ def _global_reads(table: symtable.SymbolTable, augmented: set[str], top: bool) -
     for child in table.get_children():
         names |= _global_reads(child, augmented, top=False)
     return names
-
-
-# ---------------------------------------------------------------------------------------
-# What a cell reaches through the functions it calls
-# ---------------------------------------------------------------------------------------
-
-_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
-REACH_LIMIT = 10_000  # objects looked at per cell: the functions' code, classes, containers
-_ITEMS_LOOKED_AT = 1_000  # entries of one container looked at for functions kept in it
-
-
-@dataclass(frozen=True)
-class Unfollowed:
-    """A function whose tensors a cell reaches where a name of the notebook cannot stand
-    in for them: its own module's globals, a closure, a default argument, a partial."""
-
-    function: str  # as the user knows it: `train.fit`, `step`
-    names: tuple[str, ...]  # what holds the tensors there
-    where: str  # the module whose globals hold them, or <module>, <closure>, <defaults>, <partial>
-
-    def __str__(self) -> str:
-        held = ", ".join(self.names)
-        if self.where == "<module>":
-            return f"{self.function} is a module of your own that holds {held}"
-        if self.where == "<closure>":
-            return f"{self.function} keeps {held} in a closure"
-        if self.where == "<defaults>":
-            return f"{self.function} holds {held} as default arguments"
-        if self.where == "<partial>":
-            return f"{self.function} is a functools.partial bound to {held}"
-        return f"{self.function} reads {held} from its module {self.where}"
-
-
-@dataclass
-class Reach:
-    """What the notebook's own functions that a cell calls read from the namespace."""
-
-    names: set[str] = field(default_factory=set)  # the namespace's names they read
-    followed: dict[str, list[str]] = field(default_factory=dict)  # function -> those names
-    unfollowed: list[Unfollowed] = field(default_factory=list)
-    truncated: bool = False  # REACH_LIMIT objects were looked at: there may be more
-
-    def notes(self) -> list[str]:
-        """Lines for `-v`: the globals followed into functions, and what could not be."""
-        lines = [f"followed into {fn}: {', '.join(names)}"
-                 for fn, names in self.followed.items() if names]
-        lines += [f"could not follow: {u}" for u in self.unfollowed]
-        if self.truncated:
-            lines.append(f"functions looked into: the first {REACH_LIMIT:,} objects only")
-        return lines
-
-
-def reach(ns: dict, names: Iterable[str]) -> Reach:
-    """What `names` (the namespace names a cell reads) reach through code that runs when
-    the cell calls it: the globals read by the notebook's own functions, lambdas, methods
-    of its classes and partials, transitively (the code of nested functions, lambdas and
-    comprehensions too, and what `functools.wraps` and decorators wrap).
-
-    A function of another module that is not installed (a user's `train.py`) cannot be
-    made to read copies: where the globals it reads there hold tensors, modules or
-    optimizers, it is `unfollowed`; so is a notebook function that holds them in a
-    closure, a default argument or a partial. Installed code (the standard library,
-    site-packages: torch, numpy) is not looked into: its module state is no notebook's.
-    """
-    walker = _Reacher(ns)
-    for name in sorted(names):
-        if name in ns:
-            walker.push(ns[name], name)
-    walker.run()
-    return walker.found
-
-
-class _Reacher:
-    def __init__(self, ns: dict) -> None:
-        self.ns = ns
-        self.found = Reach()
-        self.seen: set[int] = set()
-        self.stack: list[tuple[object, str]] = []
-
-    def push(self, obj: object, label: str) -> None:
-        if type(obj) in _ATOMS or id(obj) in self.seen:
-            return
-        self.seen.add(id(obj))
-        self.stack.append((obj, label))
-
-    def run(self) -> None:
-        looked = 0
-        while self.stack:
-            if looked >= REACH_LIMIT:
-                self.found.truncated = True
-                return
-            looked += 1
-            obj, label = self.stack.pop()
-            try:
-                self._visit(obj, label)
-            except Exception:  # a user's object that raises when read reaches nothing
-                continue
-
-    def _visit(self, obj: object, label: str) -> None:
-        if isinstance(obj, types.FunctionType):
-            self._function(obj, label)
-        elif isinstance(obj, types.MethodType):
-            self.push(obj.__func__, label)
-            self.push(obj.__self__, label)
-        elif isinstance(obj, functools.partial):
-            self.push(obj.func, label)
-            held = [f"argument {i}" for i, a in enumerate(obj.args) if holds_tensors(a)]
-            held += [f"{k}=" for k, v in obj.keywords.items() if holds_tensors(v)]
-            if held:
-                self.found.unfollowed.append(Unfollowed(label, tuple(held), "<partial>"))
-        elif isinstance(obj, types.ModuleType):
-            self._module(obj, label)
-        elif isinstance(obj, type):
-            self._class(obj)
-        elif isinstance(obj, (list, tuple, dict)):
-            items = obj.values() if isinstance(obj, dict) else obj
-            for item in itertools.islice(items, _ITEMS_LOOKED_AT):
-                self.push(item, label)
-        elif not isinstance(obj, (Tensor, torch.Generator)):
-            self._instance(obj, label)
-
-    def _function(self, fn: types.FunctionType, label: str) -> None:
-        wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps: the function it wraps
-        if wrapped is not None:
-            self.push(wrapped, _label(wrapped, self.ns))
-        g = fn.__globals__
-        own = g is self.ns
-        if not own and _installed(g):
-            for cell in fn.__closure__ or ():  # a decorator's wrapper: the user's function
-                with contextlib.suppress(ValueError):  # an empty cell
-                    if callable(cell.cell_contents):
-                        self.push(cell.cell_contents, _label(cell.cell_contents, self.ns))
-            return
-        if not (own and self.ns.get(label) is fn):  # by the name it is called by, if any
-            label = _label(fn, self.ns)
-        read = [n for n in code_globals(fn.__code__) if n in g]
-        if own:
-            self.found.names.update(read)
-            self.found.followed.setdefault(label, []).extend(
-                n for n in read if n not in self.found.followed.get(label, ()))
-        held = []
-        for n in read:
-            if not own and holds_tensors(g[n]):
-                held.append(n)
-            self.push(g[n], n if own else label)
-        if held:
-            where = f"{g.get('__name__', '?')}"
-            self.found.unfollowed.append(Unfollowed(label, tuple(held), where))
-        self._captured(fn, label)
-
-    def _captured(self, fn: types.FunctionType, label: str) -> None:
-        """What a function holds itself, which no name of the namespace can stand in for."""
-        closure = []
-        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # not yet assigned
-                continue
-            if holds_tensors(value):
-                closure.append(var)
-            self.push(value, label)
-        if closure:
-            self.found.unfollowed.append(Unfollowed(label, tuple(closure), "<closure>"))
-        params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-        defaults = dict(zip(params[len(params) - len(fn.__defaults__ or ()):],
-                            fn.__defaults__ or ()))
-        defaults.update(fn.__kwdefaults__ or {})
-        held = tuple(k for k, v in defaults.items() if holds_tensors(v))
-        if held:
-            self.found.unfollowed.append(Unfollowed(label, held, "<defaults>"))
-
-    def _module(self, module: types.ModuleType, label: str) -> None:
-        g = vars(module)
-        if g is self.ns or _installed(g):
-            return
-        held = tuple(sorted(n for n, v in g.items()
-                            if not n.startswith("__") and holds_tensors(v)))
-        if held:
-            self.found.unfollowed.append(Unfollowed(label, held, "<module>"))
-
-    def _class(self, cls: type) -> None:
-        for klass in cls.__mro__:
-            functions = [fn for value in vars(klass).values()
-                         for fn in (value, getattr(value, "__func__", None),
-                                    getattr(value, "fget", None), getattr(value, "fset", None))
-                         if isinstance(fn, types.FunctionType)]
-            module = sys.modules.get(klass.__module__)
-            if (module is not None and _installed(vars(module))
-                    and not any(fn.__globals__ is self.ns for fn in functions)):
-                continue  # torch's, the standard library's: no notebook's globals
-            for fn in functions:
-                self.push(fn, _label(fn, self.ns))
-
-    def _instance(self, obj: object, label: str) -> None:
-        self.push(type(obj), label)
-        if isinstance(obj, torch.nn.Module):
-            for sub in obj.modules():
-                self.push(type(sub), label)
-        for value in getattr(obj, "__dict__", {}).values():  # callbacks kept on it
-            if callable(value):
-                self.push(value, label)
-
-
-_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None), types.BuiltinFunctionType})
-
-
-@functools.lru_cache(maxsize=4096)
-def code_globals(code: types.CodeType) -> tuple[str, ...]:
-    """The global names `code` loads, stores or deletes, its nested functions',
-    lambdas' and comprehensions' included, in order, once each."""
-    names: dict[str, None] = {}
-    stack = [code]
-    while stack:
-        co = stack.pop()
-        for ins in dis.get_instructions(co):
-            if ins.opname in _GLOBAL_OPS:
-                names[ins.argval] = None
-        stack.extend(c for c in co.co_consts if isinstance(c, types.CodeType))
-    return tuple(names)
-
-
-def _label(fn: object, ns: dict) -> str:
-    """A function as the user knows it: `step`, `Trainer.fit`, `train.fit`."""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    g = getattr(fn, "__globals__", None)
-    if g is None or g is ns:
-        return str(name)
-    return f"{g.get('__name__', '?')}.{name}"
-
-
-@functools.cache
-def _installed_paths() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    found = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    with contextlib.suppress(AttributeError):  # old virtualenvs' site module lacks it
-        found.update(site.getsitepackages())
-    with contextlib.suppress(AttributeError):
-        found.add(site.getusersitepackages())
-    return tuple(os.path.join(os.path.realpath(p), "") for p in found)
-
-
-def _installed(g: dict) -> bool:
-    """Whether the module whose globals are `g` is installed code (the standard library,
-    site-packages), not a file of the user's own."""
-    name = g.get("__name__")
-    if name in sys.builtin_module_names:
-        return True
-    path = g.get("__file__")
-    if not isinstance(path, str):
-        spec = g.get("__spec__")
-        return getattr(spec, "origin", None) in ("frozen", "built-in")
-    return _installed_file(path)
-
-
-@functools.lru_cache(maxsize=4096)
-def _installed_file(path: str) -> bool:
-    return os.path.realpath(path).startswith(_installed_paths())

@@ -5,15 +5,16 @@
     >>> [(d.device, d.median_s, d.speedup, d.max_abs_diff) for d in result.devices]
     [('cpu', 0.3124, 1.0, None), ('cuda', 0.0041, 76.2, 3.1e-05)]
 
-The names the cell reads, and those the notebook's functions it calls read
-(`cells.reach`), are its inputs; a function that reaches tensors through no
+The names the cell reads, and those the code it can call reads
+(`reach.reach`), are its inputs; a function that reaches tensors through no
 name of the notebook (its own module's globals, a closure) is refused before
 anything runs. For each device in turn the inputs that hold tensors (in
 containers or in any object's attributes: a dataset, an LR scheduler) are
 deep-copied together (aliases and views stay shared among the copies), the
 memo seeded with each tensor's copy: a tensor on another device is copied
 straight to the device, one already there is *shared* (a new tensor on its
-storage), unless `--warmup 0`. The first warm-up runs under `_WriteGuard`,
+storage), unless `--warmup 0`; what a DataLoader's worker processes read is
+shared where it is. The first warm-up runs under `_WriteGuard`,
 which stops it before any operator writes into a shared storage; what the
 name that reached it holds is then copied and the warm-up made again. The copies
 are moved there with the `%%ondevice` mover; the cell runs with that device as
@@ -45,14 +46,16 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .cells import reach
 from .default_device import lifted
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
-from .namespace import generators, holds_tensors, tensors_in
+from .namespace import found_in, generators, holds_tensors, tensors_in
 from .probes import active_accelerator, clock, empty_cache, free_bytes
+from .reach import reach
 from .reports import Table
 from .tensors import storage_bytes, storage_key
 from .units import fmt_bytes, fmt_seconds
@@ -139,14 +142,15 @@ def compare(
     runs: int = 5,
     warmup: int = 1,
     hidden: Container[str] = (),
+    attributes: Iterable[str] = (),
 ) -> Comparison:
     """Call `run` (a cell compiled by `cells.compiled`) on each device in turn, with copies of
-    those of `reads` (the user's names it reads), and of the names the notebook's functions
-    it calls read, that hold tensors; the namespace ends as it began. `hidden`: names never
-    copied (IPython's own)."""
+    those of `reads` (the user's names it reads), and of the names the code it can call reads
+    (`reach`, given the attribute names the cell names), that hold tensors; the namespace
+    ends as it began. `hidden`: names never copied (IPython's own)."""
     __tracebackhide__ = True
     reads = set(reads)
-    found = reach(namespace, reads)
+    found = reach(namespace, reads, attributes)
     if found.unfollowed:
         raise DeviceMagicError(
             f"%%devcompare cannot run this cell on copies: {found.unfollowed[0]}, which it "
@@ -154,7 +158,10 @@ def compare(
             "function in the notebook)"
         )
     read = {n for n in reads | found.names if n in namespace and n not in hidden}
-    names = sorted(n for n in read if holds_tensors(namespace[n]))
+    # What a hook fills (`activations = {}`) is copied even while it holds no tensor yet:
+    # the copies of a module call their hooks, which must not write into the user's dict.
+    names = sorted(n for n in read if holds_tensors(namespace[n])
+                   or (n in found.hooked and isinstance(namespace[n], (dict, list, set))))
     kept = generators(namespace[n] for n in sorted(read))
     timings: list[DeviceTiming] = []
     reference = None
@@ -338,6 +345,13 @@ def _copies(ns: dict, names: list[str], dev: torch.device, written: set[str]) ->
     return _Inputs(copies, plan.shared_names(), plan.aliases, plan.made)
 
 
+_LIVE_ITERATOR = (
+    "%%devcompare cannot copy an iterator over a DataLoader that the cell reads (`iter(loader)`"
+    ": its place in the epoch and its worker processes cannot be copied); nothing ran "
+    "(iterate the DataLoader itself in the cell: for batch in loader)"
+)
+
+
 class _SharePlan:
     """Which tensors `objs` reach are shared and which copied, and what the copies weigh."""
 
@@ -356,11 +370,31 @@ class _SharePlan:
                     self.tensors.setdefault(id(part), part)
                     self.reached.setdefault(storage_key(part), set()).add(name)
         self.copied = {k for k, reach in self.reached.items() if reach & written}
+        # A DataLoader with persistent workers keeps their live iterator, which cannot be
+        # copied (nor pickled): its copy starts workers of its own, on the dataset's copy.
+        # An iterator bound apart from its loader is the cell's place in an epoch: refused.
+        loaders = found_in(objs.values(), DataLoader, _BaseDataLoaderIter)
+        if any(isinstance(it, _BaseDataLoaderIter) for it in loaders):
+            raise DeviceMagicError(_LIVE_ITERATOR)
+        self.iterators = [loader._iterator for loader in loaders
+                          if isinstance(loader, DataLoader) and loader._iterator is not None]
+        # What a loader's worker processes read stays where it is: a forked worker cannot
+        # use CUDA, and the cell's loop moves the batches it gets itself.
+        self.stay = {storage_key(t) for t in tensors_in(
+            loader.dataset for loader in loaders
+            if isinstance(loader, DataLoader) and loader.num_workers > 0)}
         self.aliases: list[Tensor] = []
         self.made: list[weakref.ref] = []
 
     def shareable(self, t: Tensor) -> bool:
-        return t.device == self.dev and storage_key(t) not in self.copied
+        key = storage_key(t)
+        return (t.device == self.dev or key in self.stay) and key not in self.copied
+
+    def _where(self, t: Tensor) -> torch.device:
+        """Where `t`'s copy goes: `dev`, but for what a loader's workers read, and a scalar
+        (an optimizer's `step`), copied where it is: the move then applies torch's rule,
+        which keeps `step` on the CPU."""
+        return t.device if t.dim() == 0 or storage_key(t) in self.stay else self.dev
 
     def check_fits(self) -> None:
         """Refuse before copying what the target has no room for."""
@@ -381,7 +415,7 @@ class _SharePlan:
 
     def memo(self) -> dict[int, Any]:
         """A deepcopy memo that already holds each tensor's copy or alias."""
-        memo: dict[int, Any] = {}
+        memo: dict[int, Any] = {id(it): None for it in self.iterators}
         for t in self.tensors.values():
             self._made(t, memo)
         return memo
@@ -390,9 +424,7 @@ class _SharePlan:
         if id(t) in memo:
             return memo[id(t)]
         share = self.shareable(t)
-        # A scalar (an optimizer's `step`) is copied where it is: the move then applies
-        # torch's rule, which keeps `step` on the CPU.
-        new = _rebuilt(t, memo, t.device if t.dim() == 0 else self.dev, share)
+        new = _rebuilt(t, memo, self._where(t), share)
         if t.is_leaf:
             grad = None if t.grad is None else self._made(t.grad, memo)
             if type(t) is torch.nn.Parameter:

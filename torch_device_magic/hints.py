@@ -28,9 +28,10 @@ import traceback
 
 import torch
 
-from .cells import code_words, reach
+from .cells import cell_attributes, code_words
 from .namespace import TensorRow, scan
 from .probes import free_and_total, torch_default_device
+from .reach import reach
 from .units import fmt_bytes
 
 PREFIX = "Hint (torch_device_magic):"
@@ -90,7 +91,7 @@ def _mismatch(
     message: str, namespace: dict[str, object], source: str, session: torch.device | None
 ) -> str:
     used = [name for name in code_words(source) if name in namespace]
-    reached = reach(namespace, used)  # and what the notebook functions it calls read
+    reached = reach(namespace, used, cell_attributes(source))  # and what the code it can call reads
     used += sorted(reached.names - set(used))
     rows = scan({name: namespace[name] for name in used}).rows
     rows.sort(key=lambda r: used.index(r.name))

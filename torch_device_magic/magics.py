@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, hints, moving, profiling
+from . import cells, devices, gpumem, hints, moving, profiling, reach
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
@@ -330,9 +330,11 @@ class TorchDeviceMagics(Magics):
         - Names are the global names the cell's code reads (the roots of
           `a.b[c]` too), also inside the functions and lambdas it defines, but
           not their parameters, loop variables or locals; and the globals that
-          the notebook's own functions it calls read (methods of its classes,
-          lambdas, partials and decorated functions too), transitively: a
-          `train_step()` that uses a global model and optimizer moves them.
+          the code it can call reads, transitively: the notebook's functions,
+          lambdas, partials and decorated functions it names, the methods it
+          names (`trainer.fit()`), and a module's forward and hooks (calling
+          `model(x)` does not follow its other methods). A `train_step()`
+          that uses a global model and optimizer moves them.
           What cannot follow stays where it is, and -v names it: the globals
           of a module of your own (`train.py`), a closure's or a default
           argument's tensors. Names inside nested magics (`%time f(x)`) are
@@ -392,7 +394,8 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
         names = (self._all_names() if args.all
                  else cells.names_read(self.shell, cell))
-        found = cells.reach(self.shell.user_ns, names)  # what the notebook functions it calls read
+        # and what the code it can call reads (the notebook's functions, a module's forward)
+        found = reach.reach(self.shell.user_ns, names, cells.attributes_read(self.shell, cell))
         names = sorted({*names, *found.names})
         moved, failed, hold = None, False, moving.SigintHold()
         try:  # entered before the move: a Ctrl-C just after it still restores
@@ -561,9 +564,10 @@ class TorchDeviceMagics(Magics):
 
         On each device the cell gets copies of what it reads that holds tensors
         (models, optimizers, containers, and objects holding them such as a
-        TensorDataset or an LR scheduler), also what the notebook's own
-        functions it calls read (`loss = train_step()` trains copies of the
-        global model and optimizer, never yours), with that device as torch's
+        TensorDataset or an LR scheduler), also what the code it can call reads
+        (`loss = train_step()` trains copies of the global model and optimizer,
+        never yours; a forward hook fills a copy of your `activations` dict),
+        with that device as torch's
         default and as `device` (the CPU runs with no default device installed,
         even under %device). A function that reaches tensors through no name of
         the notebook (a module of your own's globals, a closure, a default
@@ -595,7 +599,7 @@ class TorchDeviceMagics(Magics):
         run = cells.compiled(self.shell, cell)
         hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
         result = compare(self.shell.user_ns, run, cells.names_read(self.shell, cell), chosen,
-                         args.runs, args.warmup, hidden)
+                         args.runs, args.warmup, hidden, cells.attributes_read(self.shell, cell))
         if args.output:
             return result
         display(result)

@@ -22,6 +22,7 @@ import itertools
 import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -31,6 +32,7 @@ from .reports import Table
 from .tensors import WALK_LIMIT, children, is_container, is_lazy, storage_bytes, storage_key
 from .units import fmt_bytes, plural
 
+_T = TypeVar("_T")
 _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hold no tensor
 # Their attributes are code and other modules, not the cell's data.
 _NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -173,8 +175,13 @@ def holds_tensors(obj: object) -> bool:
 def generators(objs: Iterable[object]) -> list[torch.Generator]:
     """The `torch.Generator`s that `objs` reach through containers and attributes (a
     DataLoader's, its sampler's), each once, looking at WALK_LIMIT objects at most."""
-    return [item for item in _reached(objs, (*_HOLDS, torch.Generator))
-            if isinstance(item, torch.Generator)]
+    return found_in(objs, torch.Generator)
+
+
+def found_in(objs: Iterable[object], *kinds: type[_T]) -> list[_T]:
+    """The objects of `kinds` that `objs` reach through containers and attributes, not
+    entering them, nor tensors, modules and optimizers; each once, WALK_LIMIT at most."""
+    return [item for item in _reached(objs, (*_HOLDS, *kinds)) if isinstance(item, kinds)]
 
 
 def tensors_in(objs: Iterable[object]) -> list[Tensor]:

@@ -1,0 +1,222 @@
+"""`reach`: what the code a cell can call reads from the namespace, and what it cannot follow."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from torch_device_magic import reach
+from torch_device_magic.cells import cell_attributes, cell_names
+
+NOTEBOOK = """\
+import functools
+import torch
+import torch.nn.functional as F
+model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batch = torch.ones(3, 2); scale = 2.0; g = torch.Generator()
+def loss_of(out):
+    return F.relu(out).sum() * scale
+def train_step():
+    opt.zero_grad()
+    return loss_of(model(batch))
+@torch.no_grad()
+def evaluate():
+    return [model(b) for b in [batch]]
+class Trainer:
+    def fit(self):
+        return train_step()
+    @property
+    def steps(self):
+        return counter
+trainer = Trainer()
+later = functools.partial(train_step)
+noise = lambda: torch.rand(2, generator=g)
+def recursive(n):
+    return recursive(n - 1) if n else batch
+counter = 0
+"""
+
+
+@pytest.fixture
+def notebook():
+    ns = {"__name__": "__main__"}
+    exec(NOTEBOOK, ns)
+    return ns
+
+
+def reached(ns: dict, cell: str) -> reach.Reach:
+    return reach.reach(ns, cell_names(cell), cell_attributes(cell))
+
+
+@pytest.mark.parametrize(("cell", "names"), [
+    ("loss = train_step()", {"opt", "loss_of", "model", "batch", "F", "scale"}),
+    ("evaluate()", {"model", "batch"}),  # through torch.no_grad's wrapper
+    ("later()", {"opt", "loss_of", "model", "batch", "F", "scale"}),
+    ("noise()", {"torch", "g"}),
+    ("recursive(3)", {"recursive", "batch"}),
+    ("F.relu(batch) + torch.matmul(batch, batch.T)", set()),  # torch is not looked into
+    ("scale * 2", set()),
+])
+def test_reach_follows_the_notebooks_own_functions_transitively(notebook, cell, names):
+    found = reached(notebook, cell)
+    assert found.names == names and found.unfollowed == []
+
+
+def test_a_method_is_followed_where_the_cell_names_it(notebook):
+    found = reached(notebook, "trainer.fit()\ntrainer.steps")
+    assert {"train_step", "opt", "model", "batch", "counter"} <= found.names
+    assert found.followed["Trainer.fit"] == []  # train_step is no tensor
+    assert found.followed["train_step"] == ["opt", "model", "batch"]
+    assert reached(notebook, "trainer").names == set()  # named, nothing of it called
+
+
+def test_notes_name_only_what_holds_tensors(notebook):
+    # loss_of reads F and scale, a module and a number: nothing that moves
+    assert reached(notebook, "train_step()").notes() == [
+        "followed into train_step: opt, model, batch"]
+
+
+def test_code_names_are_the_globals_and_attributes_of_nested_code_too():
+    ns: dict = {}
+    exec("def outer():\n"
+         "    global stored\n"
+         "    stored = read_here\n"
+         "    def inner():\n"
+         "        return [nested_read.attr for _ in range(2)]\n"
+         "    return inner, (lambda: in_lambda.method())", ns)
+    names, attributes = reach.code_names(ns["outer"].__code__)
+    assert set(names) == {"stored", "read_here", "nested_read", "range", "in_lambda"}
+    assert set(attributes) == {"attr", "method"}
+
+
+# --- what calling a module runs, and no more ---------------------------------------------
+
+NET = """\
+import torch
+train_x = torch.randn(8, 2); gallery = [torch.zeros(2)]; mask = torch.ones(2)
+activations = {}; seen = []
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(2, 2)
+    def forward(self, x):
+        return self.helper(self.fc1(x)) * mask
+    def helper(self, h):
+        return h
+    def fit(self):
+        return self(train_x)
+    def show_examples(self):
+        return [self(g) for g in gallery]
+model = Net(); x = torch.ones(2)
+"""
+
+
+@pytest.fixture
+def net():
+    ns = {"__name__": "__main__"}
+    exec(NET, ns)
+    return ns
+
+
+def test_calling_a_module_follows_its_forward_not_its_other_methods(net):
+    found = reached(net, "out = model(x)")
+    assert "mask" in found.names and found.followed["Net.forward"] == ["mask"]
+    assert "Net.helper" in found.followed  # forward names it
+    assert not {"train_x", "gallery"} & found.names
+    assert "followed into Net.forward: mask" in found.notes()
+
+
+def test_a_constructor_is_followed_where_the_class_is_named_not_through_an_instance(net):
+    exec("embeddings = torch.ones(2)\n"
+         "class Embedded(Net):\n"
+         "    def __init__(self):\n"
+         "        super().__init__()\n"
+         "        self.table = embeddings.clone()\n"
+         "made = Embedded()", net)
+    assert "embeddings" not in reached(net, "made(x)").names
+    assert "embeddings" in reached(net, "again = Embedded()").names
+
+
+def test_a_method_the_cell_names_is_followed(net):
+    assert {"train_x", "mask"} <= reached(net, "model.fit()").names
+    assert "gallery" in reached(net, "model.show_examples()").names
+
+
+@pytest.mark.parametrize("register", [
+    "model.fc1.register_forward_hook(hook)",
+    "model.register_forward_pre_hook(lambda m, a: hook(m, a, None))",
+    "model.fc1.register_full_backward_hook(lambda m, gi, go: hook(m, gi, go))",
+    "model.register_full_backward_pre_hook(lambda m, go: hook(m, go, None))",
+    "model.fc1.weight.register_hook(lambda grad: hook(None, None, grad))",
+    "model.fc1.weight.register_post_accumulate_grad_hook(lambda p: hook(None, None, p))",
+    "handle = torch.nn.modules.module.register_module_forward_hook(hook)",
+])
+def test_the_hooks_of_a_called_module_are_followed(net, register):
+    exec("def hook(module, args, out):\n"
+         "    activations['fc1'] = out\n"
+         f"{register}", net)
+    try:
+        found = reached(net, "out = model.forward(x)" if "handle" in net else "out = model(x)")
+    finally:
+        if "handle" in net:
+            net["handle"].remove()
+    assert "activations" in found.names
+    assert any("hook" in fn for fn in found.followed), found.followed
+
+
+def test_a_hook_is_labelled_with_what_it_hooks(net):
+    exec("activations['fc1'] = torch.ones(2)\n"
+         "def save(module, args, out):\n"
+         "    activations['fc1'] = out\n"
+         "model.fc1.register_forward_hook(save)", net)
+    notes = reached(net, "model(x)").notes()
+    assert "followed into save (forward hook of model.fc1): activations" in notes
+
+
+def test_callbacks_kept_on_an_object_installed_code_calls_are_followed_not_others(net):
+    exec("from torch.utils.data import DataLoader\n"
+         "def collate(batch):\n    return torch.stack(batch) * mask\n"
+         "loader = DataLoader([torch.ones(2)], collate_fn=collate)\n"
+         "def log_examples():\n    return gallery\n"
+         "model.on_epoch = log_examples", net)
+    assert "mask" in reached(net, "for b in loader:\n    pass").names
+    assert "gallery" not in reached(net, "model(x)").names  # nothing names on_epoch
+    assert "gallery" in reached(net, "model.on_epoch()").names
+
+
+def test_a_tensors_own_hook_is_followed(net):
+    exec("def clip(grad):\n    seen.append(mask)\nx.requires_grad_()\nx.register_hook(clip)", net)
+    assert {"seen", "mask"} <= reached(net, "x.sum()").names
+
+
+# --- a module of the user's own, by what is read from it ---------------------------------
+
+@pytest.fixture
+def utils(tmp_path, monkeypatch):
+    (tmp_path / "tdm_user_utils.py").write_text(
+        "import torch\n"
+        "MEAN = torch.zeros(2)\n"
+        "STD = torch.ones(2)\n"
+        "def standardize(x):\n"
+        "    return (x - x.mean()) / x.std()\n"
+        "def normalise(x):\n"
+        "    return (x - MEAN) / STD\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tdm_user_utils
+    yield {"__name__": "__main__", "utils": tdm_user_utils, "x": torch.ones(2)}
+    sys.modules.pop("tdm_user_utils", None)
+
+
+@pytest.mark.parametrize(("cell", "unfollowed"), [
+    ("utils.standardize(x)", []),
+    ("def prep(t):\n    return utils.standardize(t)\nprep(x)", []),
+    ("utils.normalise(x)", ["tdm_user_utils.normalise reads MEAN, STD from its module "
+                            "tdm_user_utils"]),
+    ("x - utils.MEAN", ["utils is a module of your own that holds MEAN"]),
+])
+def test_a_users_module_is_judged_by_what_is_read_from_it(utils, cell, unfollowed):
+    exec(cell, utils)  # it runs
+    assert [str(u) for u in reached(utils, cell).unfollowed] == unfollowed

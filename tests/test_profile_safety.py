@@ -49,6 +49,16 @@ def recording() -> bool:
     return torch.autograd.profiler._is_profiler_enabled or torch.autograd._profiler_enabled()
 
 
+@pytest.fixture(autouse=True)
+def _left_as_found():
+    """A test that fails here leaves no profiler on and no handler for the next ones."""
+    yield
+    if torch.autograd._profiler_enabled():
+        torch.autograd._disable_profiler()
+    torch.autograd.profiler._run_on_profiler_stop()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # --- the cell's own torch.profiler --------------------------------------------------------
 
 

@@ -29,10 +29,18 @@ The profiler records CUDA only where CUDA was already up when recording began
 (a warm-up that starts it counts), so a cell that never touched CUDA never
 starts it; where CUDA ran but no device event came (CUPTI missing or refused),
 the overview says so and the device columns are left out, never zeros.
-kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr,
-and torch's allocator a warning about blocks made before the start: descriptor
-2 is caught from start to stop, those lines dropped and whatever else was
-written there passed on afterwards.
+kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr:
+descriptor 2 is caught only while we call torch to start and to stop, those
+lines dropped and whatever else was written there passed on. The cell runs with
+the real stderr, so a child it forks or spawns keeps it, and a fatal error's
+last words reach it. torch's allocator warns there once per 1,000 frees of a
+block made before the start; that warning is spent while the start is caught.
+
+The cell's own torch.profiler (or a library's) ends our kineto session, and a
+session something else ended must be neither stopped nor read (exporting one
+crashed the process): the cell then runs as without us and gets no profile,
+said in one line. Ctrl-C reaches the cell's run only; one while the profiler
+starts or stops waits until that is done.
 """
 
 from __future__ import annotations

@@ -842,9 +842,10 @@ class Capture:
                 if ended is not None:
                     print(ended)
                     raise
-                try:
-                    show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
-                                              partial=err))
+                try:  # a second Ctrl-C may cut the partial report short
+                    with ctrl_c.let_through():
+                        show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
+                                                  partial=err))
                 except Exception:  # ours: the cell's own error is the one to see
                     _log.debug("the partial profile could not be made", exc_info=True)
                 raise
@@ -996,14 +997,15 @@ class _Recording:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
         what torch warned goes to `heard` ('CUDA is not available, disabling CUDA
         profiling'), not to the user."""
-        blocks = [torch.empty(1, device="cpu") for _ in range(_WARN_EVERY)]
+        # blocks of their own, made in one call (a Python loop takes several times longer)
+        blocks = list(torch._foreach_neg([torch.zeros(1, device="cpu")] * _WARN_EVERY))
         with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
             warnings.simplefilter("always")
             try:
                 self.prof.start()
             except RuntimeError as err:  # kineto refused (another profiler, a broken build)
-                if not torch.autograd._profiler_enabled():
-                    torch.autograd.profiler._run_on_profiler_stop()
+                if not torch.autograd._profiler_enabled():  # torch set its flag first
+                    torch.autograd.profiler._is_profiler_enabled = False
                 raise DeviceMagicError(
                     f"%%profile could not start torch.profiler: {first_sentence(err)}"
                 ) from None
@@ -1033,7 +1035,7 @@ class _Recording:
         try:
             if self.other or not torch.autograd._profiler_enabled():
                 if not torch.autograd._profiler_enabled():  # ended, by torch or the cell
-                    module._run_on_profiler_stop()
+                    module._is_profiler_enabled = False
                 return ("%%profile: the cell's own torch.profiler ended this recording "
                         "(torch runs one at a time), so there is no profile of this cell; "
                         "its own profiler works as without %%profile")

@@ -72,7 +72,8 @@ def test_a_cell_with_its_own_profiler_keeps_the_session_and_its_profiler_works()
             y = torch.ones(3) + 1
         z = torch.ones(2) * 2
         """,
-        "print('kept', keep, z.tolist(), sorted({e.key for e in p.key_averages()}))",
+        "theirs = {e.key for e in p.key_averages()}\n"
+        "print('kept', keep, z.tolist(), sorted(theirs), any('tdm:' in k for k in theirs))",
         "%%profile -o\nw = torch.ones(2) - 1",
         "print('next', [r.name for r in _.ops if r.name == 'aten::sub'])",
     )
@@ -80,6 +81,7 @@ def test_a_cell_with_its_own_profiler_keeps_the_session_and_its_profiler_works()
     out = run.stdout
     assert "the cell's own torch.profiler ended this recording" in out
     assert "kept 42 [2.0, 2.0]" in out and "'aten::add'" in out
+    assert "] False\n" in out  # none of %%profile's line ranges in the cell's own profile
     assert "next ['aten::sub']" in out and "the session lives on" in out
 
 

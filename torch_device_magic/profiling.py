@@ -820,7 +820,7 @@ class Capture:
         # Ctrl-C ends the cell's run only: starting and stopping the profiler (and the
         # tracer) are never cut in half, and a press there is delivered once they are done.
         with _ctrl_c_held() as ctrl_c:
-            recording = _Recording(prof, heard)
+            recording = _Recording(prof, heard, tracer.stop if tracer is not None else None)
             recording.start()
             try:
                 prof.add_metadata_json("distributedInfo", json.dumps(
@@ -833,7 +833,7 @@ class Capture:
                         for _ in range(opts.runs):
                             value = self.run()
                 finally:
-                    if tracer is not None:
+                    if tracer is not None and not recording.paused:
                         tracer.stop()
                 measured = meter.stop()
             except BaseException as err:
@@ -987,9 +987,14 @@ class _Recording:
 
     _ENTRIES = ("_prepare_profiler", "_enable_profiler")  # torch.autograd.profiler's
 
-    def __init__(self, prof: Any, heard: list[str]) -> None:
+    def __init__(
+        self, prof: Any, heard: list[str], pause: Callable[[], None] | None = None
+    ) -> None:
         self.prof, self.heard = prof, heard
         self.other = False  # another profiler was prepared or started while we recorded
+        self.pause = pause  # stops our line ranges, which would land in the cell's profile
+        self.paused = False
+        self.thread = threading.get_ident()  # the cell's: where `pause` works
         self.real: dict[str, Any] = {}
         self.spare: list[torch.Tensor] = []
 
@@ -1021,6 +1026,9 @@ class _Recording:
 
     def _watched(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def entry(*args: Any, **kwargs: Any) -> Any:
+            if self.pause is not None and not self.paused and threading.get_ident() == self.thread:
+                self.pause()
+                self.paused = True
             self.other = True
             return real(*args, **kwargs)
 

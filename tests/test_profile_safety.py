@@ -212,6 +212,26 @@ def test_ctrl_c_at_any_moment_of_a_capture_leaves_nothing_recording(ip, delay):
     assert "aten::add" not in {r.name for r in report.ops}
 
 
+def test_a_sigint_handler_of_the_users_own_sees_every_press_and_stays(ip, monkeypatch):
+    presses: list[int] = []
+
+    def stop_after_this_epoch(signum, frame):
+        presses.append(signum)
+
+    previous = signal.signal(signal.SIGINT, stop_after_this_epoch)
+    try:
+        _interrupt_around(monkeypatch, "_disable_profiler", "after", [])
+        report = ip.run_cell("%%profile -o\nimport os, signal\n"
+                             "os.kill(os.getpid(), signal.SIGINT)\nx = torch.ones(2) * 3").result
+        for _ in range(10_000):
+            pass
+        assert len(presses) == 2  # one while the cell ran, one held while the profiler stopped
+        assert "aten::mul" in {r.name for r in report.ops}
+        assert signal.getsignal(signal.SIGINT) is stop_after_this_epoch and not recording()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_torch_profiler_running_is_refused_however_it_was_started(ip):
     other = torch.autograd.profiler.profile()  # started as torch's own internals can, not
     other._prepare_trace()                     # setting the flag its `with` block sets

@@ -139,6 +139,33 @@ def test_a_child_forked_or_spawned_in_a_profiled_cell_writes_to_the_real_stderr(
     assert "the spawned child still speaks" in run.stderr
 
 
+@pytest.mark.slow
+def test_dataloader_workers_forked_in_a_profiled_cell_are_heard_in_later_epochs(tmp_path):
+    flag = tmp_path / "epoch2"
+    run = ipython(
+        f"""\
+        import os, torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class Loud(Dataset):
+            def __len__(self):
+                return 2
+
+            def __getitem__(self, i):
+                epoch = 2 if os.path.exists({str(flag)!r}) else 1
+                os.write(2, f"worker: epoch {{epoch}} item {{i}}\\n".encode())
+                return i
+
+        loader = DataLoader(Loud(), num_workers=2, persistent_workers=True,
+                            multiprocessing_context="fork")
+        """,
+        "%%profile\nfirst = [int(b) for b in loader]",
+        f"open({str(flag)!r}, 'w').close()\nsecond = [int(b) for b in loader]\ndel loader",
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "worker: epoch 2 item 0" in run.stderr and "worker: epoch 2 item 1" in run.stderr
+
+
 # --- Ctrl-C ---------------------------------------------------------------------------------
 
 

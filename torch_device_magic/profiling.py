@@ -1041,8 +1041,9 @@ class _Recording:
             setattr(module, name, real)
         self.real.clear()
         try:
-            if self.other or not torch.autograd._profiler_enabled():
-                if not torch.autograd._profiler_enabled():  # ended, by torch or the cell
+            on = torch.autograd._profiler_enabled()
+            if self.other or not on:
+                if not on:  # ended, by the cell's profiler or by torch: its flag too
                     module._is_profiler_enabled = False
                 return ("%%profile: the cell's own torch.profiler ended this recording "
                         "(torch runs one at a time), so there is no profile of this cell; "

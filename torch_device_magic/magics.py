@@ -773,8 +773,11 @@ class TorchDeviceMagics(Magics):
         device's activity could not be recorded (CUPTI missing or refused) the
         overview says so and shows the CPU side only. A cell that raises (or
         Ctrl-C) shows its partial profile, then its own traceback; the profiler
-        is stopped either way. It cannot run under another %%profile or while a
-        torch.profiler records.
+        is stopped either way (a Ctrl-C while it starts or stops waits until
+        that is done). It cannot run under another %%profile or while a
+        torch.profiler records. A torch.profiler the cell itself starts works
+        as it would without %%profile: torch records one profile at a time, so
+        the cell then gets no profile, said in one line.
         """
         __tracebackhide__ = True
         cell = cell_form("profile", "the code to profile", cell)

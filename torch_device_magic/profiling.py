@@ -32,10 +32,18 @@ The profiler records CUDA only where CUDA was already up when recording began
 (a warm-up that starts it counts), so a cell that never touched CUDA never
 starts it; where CUDA ran but no device event came (CUPTI missing or refused),
 the overview says so and the device columns are left out, never zeros.
-kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr,
-and torch's allocator a warning about blocks made before the start: descriptor
-2 is caught from start to stop, those lines dropped and whatever else was
-written there passed on afterwards.
+kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr:
+descriptor 2 is caught only while we call torch to start and to stop, those
+lines dropped and whatever else was written there passed on. The cell runs with
+the real stderr, so a child it forks or spawns keeps it, and a fatal error's
+last words reach it. torch's allocator warns there once per 1,000 frees of a
+block made before the start; that warning is spent while the start is caught.
+
+The cell's own torch.profiler (or a library's) ends our kineto session, and a
+session something else ended must be neither stopped nor read (exporting one
+crashed the process): the cell then runs as without us and gets no profile,
+said in one line. Ctrl-C reaches the cell's run only; one while the profiler
+starts or stops waits until that is done.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import json
 import linecache
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -621,37 +630,43 @@ def resolve_function(namespace: dict[str, Any], name: str) -> Any:
 
 
 @contextlib.contextmanager
-def quiet_stderr(heard: list[str]) -> Iterator[None]:
+def quiet_stderr(heard: list[str]) -> Iterator[bool]:
     """Keep kineto's start/stop lines, which go straight to file descriptor 2, out of the
-    user's output; what else was written there comes back on `sys.stderr`, and all of it
-    is appended to `heard`."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):  # no descriptor 2 to catch: let it be
-        yield
-        return
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
+    user's output: the block's writes there are caught, what else was written comes
+    back on `sys.stderr`, and all of it is appended to `heard`. Yields whether they are
+    caught.
+
+    Only for our short calls into torch, never around the cell: a child it forks or
+    spawns, or a fatal error's last words (faulthandler's, a C++ abort's), must reach
+    the real stderr. Ctrl-C waits until descriptor 2 is back."""
+    with _ctrl_c_held():
         try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            text = caught.read().decode(errors="replace")
-            heard.append(text)
-            kept = [ln for ln in text.splitlines()
-                    if ln.strip() and not any(n in ln for n in _NOISE) and "CUPTI" not in ln]
-            if kept:
-                sys.stderr.write("\n".join(kept) + "\n")
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):  # no descriptor 2 to catch: let it be
+            yield False
+            return
+        with tempfile.TemporaryFile() as caught:
+            os.dup2(caught.fileno(), 2)
+            try:
+                yield True
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                caught.seek(0)
+                text = caught.read().decode(errors="replace")
+                heard.append(text)
+                kept = [ln for ln in text.splitlines()
+                        if ln.strip() and not any(n in ln for n in _NOISE) and "CUPTI" not in ln]
+                if kept:
+                    sys.stderr.write("\n".join(kept) + "\n")
 
 
 def refuse_if_recording(active: bool) -> None:
     """`%%profile` under `%%profile`, or under a torch.profiler the user started, is refused."""
     if active:
         raise DeviceMagicError("%%profile cannot run inside %%profile: profile the outer cell")
-    if torch.autograd.profiler._is_profiler_enabled:
+    if torch.autograd.profiler._is_profiler_enabled or torch.autograd._profiler_enabled():
         raise DeviceMagicError(
             "%%profile: a torch.profiler is already recording; stop it first (prof.stop(), or "
             "leave its `with` block)"
@@ -834,15 +849,11 @@ class Capture:
         tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
         meter = Meter(sync=True)
         value = measured = recorder = None
-        # kineto writes to descriptor 2 at start and stop, and torch's allocator once
-        # when a block made before the start is freed: all of the capture is covered.
-        with quiet_stderr(heard):
-            try:
-                _start(prof, heard)
-            except RuntimeError as err:  # kineto refused (another profiler, a broken build)
-                raise DeviceMagicError(
-                    f"%%profile could not start torch.profiler: {first_sentence(err)}"
-                ) from None
+        # Ctrl-C ends the cell's run only: starting and stopping the profiler (and the
+        # tracer) are never cut in half, and a press there is delivered once they are done.
+        with _ctrl_c_held() as ctrl_c:
+            recording = _Recording(prof, heard, tracer.stop if tracer is not None else None)
+            recording.start()
             try:
                 prof.add_metadata_json("distributedInfo", json.dumps(
                     {"backend": "none", "rank": 0, "world_size": 1}))
@@ -852,23 +863,31 @@ class Capture:
                     if tracer is not None:
                         tracer.start()
                     try:
-                        for _ in range(opts.runs):
-                            value = self.run()
+                        with ctrl_c.let_through():
+                            for _ in range(opts.runs):
+                                value = self.run()
                     finally:
-                        if tracer is not None:
+                        if tracer is not None and not recording.paused:
                             tracer.stop()
                     measured = meter.stop()
             except BaseException as err:
-                prof.stop()
+                ended = recording.stop()
                 meter.close()
-                try:
-                    show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
-                                              partial=err))
+                if ended is not None:
+                    print(ended)
+                    raise
+                try:  # a second Ctrl-C may cut the partial report short
+                    with ctrl_c.let_through():
+                        show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
+                                                  partial=err))
                 except Exception:  # ours: the cell's own error is the one to see
                     _log.debug("the partial profile could not be made", exc_info=True)
                 raise
-            prof.stop()
+            ended = recording.stop()
             meter.close()
+        if ended is not None:
+            print(ended)
+            return None, value
         try:
             return self._report(prof, tracer, measured, heard, cuda, recorder), value
         except Exception as err:  # the cell ran: its value is kept, and our fault said
@@ -1026,10 +1045,155 @@ def _all_threads_config() -> Any:
 _ALL_THREADS = _all_threads_config()
 
 
-def _start(prof: Any, heard: list[str]) -> None:
-    """Start recording; what torch warned goes to `heard` ('CUDA is not available,
-    disabling CUDA profiling'), not to the user."""
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
-        prof.start()
-    heard.extend(str(w.message) for w in warned)
+class _Recording:
+    """Our kineto session, from its start to its stop.
+
+    torch records one profile at a time: a profiler the cell prepares or starts (its own
+    `with torch.profiler.profile()`, a library's) ends ours, and reading or exporting a
+    session something else ended crashes the process. So torch's entry points are
+    watched while we record; where another profiler came, ours is neither stopped nor
+    read (one that still records is the cell's, and keeps recording), and `stop` says
+    why there is no profile."""
+
+    _ENTRIES = ("_prepare_profiler", "_enable_profiler")  # torch.autograd.profiler's
+
+    def __init__(
+        self, prof: Any, heard: list[str], pause: Callable[[], None] | None = None
+    ) -> None:
+        self.prof, self.heard = prof, heard
+        self.other = False  # another profiler was prepared or started while we recorded
+        self.pause = pause  # stops our line ranges, which would land in the cell's profile
+        self.paused = False
+        self.thread = threading.get_ident()  # the cell's: where `pause` works
+        self.real: dict[str, Any] = {}
+        self.spare: list[torch.Tensor] = []
+        self.flagged = True
+
+    def start(self) -> None:
+        """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
+        what torch warned goes to `heard` ('CUDA is not available, disabling CUDA
+        profiling'), not to the user."""
+        # blocks of their own, made in one call (a Python loop takes several times longer)
+        blocks = list(torch._foreach_neg([torch.zeros(1, device="cpu")] * _WARN_EVERY))
+        with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
+            warnings.simplefilter("always")
+            try:
+                self.prof.start()
+            except RuntimeError as err:  # kineto refused (another profiler, a broken build)
+                if not torch.autograd._profiler_enabled():  # torch set its flag first
+                    torch.autograd.profiler._is_profiler_enabled = False
+                raise DeviceMagicError(
+                    f"%%profile could not start torch.profiler: {first_sentence(err)}"
+                ) from None
+            if caught:
+                self.spare = _spend_unknown_block_warning(blocks)
+        self.heard.extend(str(w.message) for w in warned)
+        # torch's flag, as the start left it: a profiler of every thread (--threads) keeps
+        # its state process-wide and leaves the flag off
+        self.flagged = torch.autograd._profiler_enabled()
+        module = torch.autograd.profiler
+        for name in self._ENTRIES:
+            real = getattr(module, name, None)
+            if real is not None:
+                self.real[name] = real
+                setattr(module, name, self._watched(real))
+
+    def _watched(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if self.pause is not None and not self.paused and threading.get_ident() == self.thread:
+                self.pause()
+                self.paused = True
+            self.other = True
+            return real(*args, **kwargs)
+
+        return entry
+
+    def stop(self) -> str | None:
+        """Stop recording; None, or the sentence that says why there is nothing to read."""
+        module = torch.autograd.profiler
+        for name, real in self.real.items():
+            setattr(module, name, real)
+        self.real.clear()
+        try:
+            on = torch.autograd._profiler_enabled() or not self.flagged
+            if self.other or not on:
+                if not on:  # ended, by the cell's profiler or by torch: its flag too
+                    module._is_profiler_enabled = False
+                return ("%%profile: the cell's own torch.profiler ended this recording "
+                        "(torch runs one at a time), so there is no profile of this cell; "
+                        "its own profiler works as without %%profile")
+            with quiet_stderr(self.heard):
+                self.prof.stop()
+            return None
+        finally:
+            self.spare.clear()  # freed once nothing records: they count no more
+
+
+_WARN_EVERY = 1000  # torch's CPU allocator warns once per this many frees it cannot size
+
+
+def _spend_unknown_block_warning(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Free `blocks` (made before the start) one by one while descriptor 2 is caught,
+    until torch's allocator has said "Memory block of unknown size was allocated before
+    the profiling started": it says so once per `_WARN_EVERY` such frees, and a cell
+    rebinding a tensor made earlier frees one, while descriptor 2 is the user's again.
+    The rest are returned, to be freed after the stop."""
+    size = os.fstat(2).st_size
+    while blocks:
+        blocks.pop()
+        if os.fstat(2).st_size != size:
+            break
+    return blocks
+
+
+class _CtrlC:
+    """The SIGINTs that came while held (see `_ctrl_c_held`)."""
+
+    def __init__(self, handler: Any) -> None:
+        self.handler = handler  # the one in force before; None: none of ours installed
+        self.held = 0
+        self.through = False
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        if not self.through:
+            self.held += 1
+            return
+        self.through = False  # what its KeyboardInterrupt unwinds is not cut in turn
+        self.handler(signum, frame)
+        self.through = True  # a handler of the user's own that did not raise
+
+    @contextlib.contextmanager
+    def let_through(self) -> Iterator[None]:
+        """Ctrl-C reaches the handler for the block (a press held so far, at once)."""
+        if self.handler is None:
+            yield
+            return
+        self.through = True
+        try:
+            if self.held:
+                self.held -= 1
+                self.on_sigint(signal.SIGINT, None)
+            yield
+        finally:
+            self.through = False
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[_CtrlC]:
+    """Hold SIGINT (Ctrl-C, a notebook's stop button) in the block but where `let_through`,
+    then hand each press held to the handler in force before (Python's raises
+    KeyboardInterrupt). Only in the main thread, where a Python handler is in force."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
+    ctrl_c = _CtrlC(handler if callable(handler) else None)
+    if ctrl_c.handler is None:
+        yield ctrl_c
+        return
+    signal.signal(signal.SIGINT, ctrl_c.on_sigint)
+    try:
+        yield ctrl_c
+    finally:
+        if signal.getsignal(signal.SIGINT) == ctrl_c.on_sigint:  # else the cell set its own
+            signal.signal(signal.SIGINT, ctrl_c.handler)
+    for _ in range(ctrl_c.held):
+        ctrl_c.handler(signal.SIGINT, None)

@@ -368,9 +368,12 @@ def test_a_peak_reaped_cells_ago_is_only_a_bound_and_subprocess_children_are_see
     """getrusage keeps the session's largest reaped child: a script's 512 MiB two cells
     before is not the peak of a later cell's children. The script's own cell shows it
     (exactly: the figure rose there) as one exited child at least (nothing counted it)."""
+    # A child's peak counts what it shared with this process until its exec: the script
+    # makes 512 MiB more than this process holds, so that its own peak is the higher.
     script, between, spawned, _ = in_a_fresh_process(ip, [
-        "import multiprocessing, subprocess, sys, time\n"
-        "subprocess.run([sys.executable, '-c', 'b = b\"x\" * (512 << 20)'], check=True)",
+        "import multiprocessing, resource, subprocess, sys, time\n"
+        "big = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + (512 << 20)\n"
+        "subprocess.run([sys.executable, '-c', f'b = b\"x\" * {big}'], check=True)",
         "x = 1",
         # a spawned child (and multiprocessing's resource tracker, which is no worker),
         # and a shell child's exit
@@ -385,6 +388,18 @@ def test_a_peak_reaped_cells_ago_is_only_a_bound_and_subprocess_children_are_see
     assert between["workers"] is None
     assert ", workers 2+ (1 exited), largest peak ≤ " in spawned["line"]
     assert spawned["workers"]["peak_bound"] is True
+
+
+def test_a_shell_child_of_a_large_kernel_has_no_peak_of_its_own_shown(ip):
+    """Until its exec a child shares this process's pages, and getrusage counts them as
+    its peak: a `true` run from a kernel holding 600 MiB is not a 600 MiB worker."""
+    (child,) = in_a_fresh_process(ip, [
+        "import subprocess\n"
+        "held = bytearray(600 << 20); held[::4096] = b'x' * len(held[::4096])\n"
+        "subprocess.run(['true'], check=True)",
+    ])
+    assert child["workers"]["peak_bound"] is True
+    assert ", workers 1+ (exited), largest peak ≤ " in child["line"]
 
 
 def test_a_running_popen_is_seen_in_a_process_that_had_children(ip):

@@ -227,6 +227,17 @@ def _kib(text: bytes, key: bytes) -> int | None:
     return int(text[start : text.index(b"kB", start)]) * _KIB
 
 
+def _own_peak_bytes() -> int:
+    """This process's RSS high-water mark (reset at the cell's start). A child's getrusage
+    peak counts the pages it shared with us until its exec (fork and vfork alike), so a
+    reaped peak no higher than ours may be only our own size: it is then a bound."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            return _kib(status.read(), b"VmHWM:") or 0
+    except OSError:
+        return 0
+
+
 def _usage() -> tuple[int, float, int]:
     """Reaped children so far: (largest peak in bytes, CPU seconds, minor faults); the
     last two grow with every child reaped, the first only with a larger one."""
@@ -350,7 +361,8 @@ class ChildWatch:
         return Workers(
             tuple(workers),
             exited_peak_bytes=usage[0] if reaped else None,
-            exited_peak_bound=reaped and (usage[0] <= before[0] or earlier),
+            exited_peak_bound=reaped and (
+                usage[0] <= before[0] or earlier or usage[0] <= _own_peak_bytes()),
             uncounted=reaped and not reaped_here,
         )
 

@@ -30,6 +30,7 @@ from .gpufree import free_memory
 from .hooks import CellReporter
 from .namespace import scan
 from .session import Session
+from .traces import TraceFiles
 from .units import parse_bytes
 
 
@@ -128,6 +129,7 @@ class TorchDeviceMagics(Magics):
         self.session = Session()
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._profiling = False  # a %%profile cell is running
+        self.traces = TraceFiles()  # %%profile's unnamed traces: the last one is kept
         super().__init__(shell=shell)
 
     @property
@@ -184,6 +186,7 @@ class TorchDeviceMagics(Magics):
         self.reporter.unregister(self.shell)
         self.reporter.set_hint(self.shell, None)
         self.session.close(self.shell.user_ns)
+        self.traces.close()
 
     @magic_arguments()
     @argument(
@@ -677,7 +680,11 @@ class TorchDeviceMagics(Magics):
               help="the op table's order: self (CPU time, the default), total, device, memory")
     @argument("--top", type=int, default=10, help="rows of the op and kernel tables (default 10)")
     @argument("--trace", metavar="PATH",
-              help="write the Chrome/Perfetto trace there (default: a temporary file, shown)")
+              help="write the Chrome/Perfetto trace there (default: a temporary file, shown, "
+              "kept until the next %%%%profile or the session's end)")
+    @argument("--steps", type=int, default=6,
+              help="where the cell has a loop, record its first STEPS steps in full (ops, "
+              "memory, trace; default 6) and time the lines of every step; 0 records all")
     @argument("--memory", action="store_true",
               help="also draw the cell's memory over time, offline, its largest allocations "
               "labelled by line: from the CUDA allocator's history where the cell used CUDA "
@@ -733,7 +740,7 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         args = parse(self.profile, line)
         options = profiling.Options(
-            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory
+            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory, steps=args.steps
         )
         options.check()
         profiling.refuse_if_recording(self._profiling)
@@ -744,6 +751,7 @@ class TorchDeviceMagics(Magics):
         capture = profiling.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
             *self.reporter.plain_run(cell), source=cell,
+            loops=profiling.outer_loops(self.shell.transform_cell(cell)), traces=self.traces,
         )
         self.reporter.mark_profiled()
         self._profiling = True

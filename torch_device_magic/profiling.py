@@ -37,6 +37,7 @@ written there passed on afterwards.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import contextlib
 import json
@@ -45,6 +46,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +60,7 @@ from .errors import DeviceMagicError, first_sentence
 from .measure import Measurement, Meter
 from .probes import clock, runtime_up
 from .reports import Table
+from .traces import LARGE_BYTES, TraceFiles
 from .units import fmt_bytes, fmt_seconds, plural
 
 SORTS = ("self", "total", "device", "memory")
@@ -85,6 +88,7 @@ class Options:
     trace: str | None = None
     memory: bool = False  # the memory timeline (memtimeline)
     lines: bool = True  # the line table (off only to measure its cost)
+    steps: int = 6  # the cell's outer loop: steps recorded in full (0: all)
 
     def check(self) -> None:
         if self.runs < 1 or self.warmup < 0:
@@ -95,6 +99,8 @@ class Options:
             )
         if self.top < 1:
             raise DeviceMagicError("%%profile --top needs 1 or more")
+        if self.steps < 0:
+            raise DeviceMagicError("%%profile --steps needs 1 or more (or 0: every step)")
         if self.trace is not None and not self.trace.strip():
             raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
 
@@ -487,10 +493,18 @@ def _stalls(
 
 class LineTracer:
     """Opens a profiler range per executed line of the watched code (see the module's
-    docstring); `names` maps each range's name to the line's (where, code)."""
+    docstring); `names` maps each range's name to the line's (where, code).
+
+    With `loops` (`outer_loops` of the cell) and `full_steps`, it also counts the steps
+    of the cell's outer loop (an iteration begins where a line of its body follows its
+    header), calls `on_step` as each of the first `full_steps` steps ends, and opens no
+    range after them; so that the lines keep their figures over every step, it times
+    each line itself too (`hits`, `wall_ns`: the time each was the innermost line)."""
 
     def __init__(
-        self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = ()
+        self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = (),
+        loops: dict[int, range] | None = None, full_steps: int = 0,
+        on_step: Callable[[], Any] | None = None,
     ) -> None:
         self.cell_file = cell_file
         self.cell_label = cell_label
@@ -502,6 +516,65 @@ class LineTracer:
         self._keys: dict[tuple[str, int], str] = {}
         self._previous: Any = None
         self._range = _range_type()
+        self.loops = loops or {}
+        self.full_steps = full_steps
+        self.steps = 0  # steps of the outer loop begun
+        self.hits: Counter[str] = Counter()
+        self.wall_ns: Counter[str] = Counter()
+        self._on_step = on_step if full_steps else None
+        self._recording = True  # ranges are opened
+        self._innermost: list[str | None] = []  # per traced frame, its line running
+        self._since = 0
+        self._header: int | None = None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether steps ran after those recorded in full."""
+        return bool(self.full_steps) and self.steps > self.full_steps
+
+    def rows(self, recorded: list[LineRow]) -> list[LineRow]:
+        """The line rows over every step: hits and wall from this tracer, the rest from
+        the `recorded` rows (of the steps recorded in full)."""
+        by_where = {(r.where, r.code): r for r in recorded}
+        out = []
+        for name, (where, code) in self.names.items():
+            if not self.hits[name]:
+                continue
+            row = by_where.get((where, code))
+            out.append(LineRow(
+                where=where, code=code, hits=self.hits[name], wall_s=self.wall_ns[name] / 1e9,
+                cpu_s=row.cpu_s if row else 0.0, device_s=row.device_s if row else None,
+                allocated_bytes=row.allocated_bytes if row else 0,
+            ))
+        return out
+
+    def _charge(self) -> None:
+        """The time since the last event, to the line that was innermost."""
+        now = time.perf_counter_ns()
+        if self._innermost and self._innermost[-1] is not None:
+            self.wall_ns[self._innermost[-1]] += now - self._since
+        self._since = now
+
+    def _count(self, lineno: int) -> None:
+        """A line of the cell's top level ran: a step begins where its outer loop's body
+        follows the loop's header."""
+        if lineno in self.loops:
+            self._header = lineno
+            return
+        header, self._header = self._header, None
+        if header is None or lineno not in self.loops[header]:
+            return
+        self.steps += 1
+        if self._on_step is not None and self.steps > 1:
+            try:
+                self._on_step()
+            except Exception:  # ours: the cell runs on, recorded in full
+                _log.debug("the profiler's step failed", exc_info=True)
+                self._on_step = None
+                return
+            if self.steps > self.full_steps:
+                self._on_step = None
+                self._recording = False
 
     def _name(self, code: CodeType, lineno: int) -> str:
         key = (code.co_filename, lineno)
@@ -522,28 +595,63 @@ class LineTracer:
         if code.co_filename != self.cell_file and code not in self.codes:
             return None
         opened: list[Any] = []
-        enter, name_of = self._range, self._name
+        enter, name_of, innermost, hits = self._range, self._name, self._innermost, self.hits
+        top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
+        self._charge()
+        innermost.append(None)
 
         def local(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "line":
+                name = name_of(frame.f_code, frame.f_lineno)
+                self._charge()
+                innermost[-1] = name
+                hits[name] += 1
                 if opened:
                     opened.pop().__exit__(None, None, None)
-                span = enter(name_of(frame.f_code, frame.f_lineno))
-                span.__enter__()
-                opened.append(span)
-            elif event == "return" and opened:
-                opened.pop().__exit__(None, None, None)
+                if top:
+                    self._count(frame.f_lineno)
+                if self._recording:
+                    span = enter(name)
+                    span.__enter__()
+                    opened.append(span)
+            elif event == "return":
+                self._charge()
+                innermost.pop()
+                if opened:
+                    opened.pop().__exit__(None, None, None)
             return local
 
         return local
 
     def start(self) -> None:
         self._previous = sys.gettrace()
+        self._since = time.perf_counter_ns()
         sys.settrace(self._call)
 
     def stop(self) -> None:
         sys.settrace(self._previous)
         self._previous = None
+
+
+def outer_loops(source: str) -> dict[int, range]:
+    """The cell's outer loops (`for`, `while` not inside another loop or a function): each
+    header's line and its body's lines. None where the code does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[int, range] = {}
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
+                found[child.lineno] = range(child.body[0].lineno,
+                                            (child.body[-1].end_lineno or child.lineno) + 1)
+            elif isinstance(child, ast.stmt) and not isinstance(
+                    child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                todo.append(child)
+    return found
 
 
 def _range_type() -> Callable[[str], Any]:
@@ -653,6 +761,10 @@ class ProfileReport:
     profiler: Any = None
     timeline: Any = None  # the --memory timeline
     sort: str = "self"
+    trace_bytes: int = 0
+    trace_temporary: bool = False  # the session's file, replaced by the next capture's
+    steps: int = 0  # the iterations of the cell's outer loop that began
+    full_steps: int = 0  # how many of them were recorded in full (0: all)
 
     @property
     def ops(self) -> list[OpRow]:
@@ -676,6 +788,9 @@ class ProfileReport:
             wall += (f", {self.wall_s / self.runs / self.plain_wall_s:.2f}x the plain run "
                      f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
         parts = [f"%%profile {self.label}: {runs}, {wall}"]
+        if self.full_steps:
+            parts.append(f"recorded in full up to step {self.full_steps:,} of {self.steps:,} "
+                         "(ops, memory, trace); lines timed over all")
         device = self.measurement.device if self.measurement is not None else None
         if a.device_recorded and a.device_busy_s is not None:
             share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
@@ -687,7 +802,9 @@ class ProfileReport:
             parts.append(plural(a.syncs, "synchronisation"))
         parts.append(plural(a.op_calls, "op call"))
         if self.trace_path is not None:
-            parts.append(f"trace {self.trace_path}")
+            said = [fmt_bytes(self.trace_bytes)] if self.trace_bytes >= LARGE_BYTES else []
+            said += ["until the next %%profile"] if self.trace_temporary else []
+            parts.append(f"trace {self.trace_path}" + (f" ({', '.join(said)})" if said else ""))
         return " | ".join(parts)
 
     def tables(self) -> list[Table]:
@@ -725,6 +842,9 @@ class ProfileReport:
                        fmt_seconds(r.device_s), device, [_bytes(r.allocated_bytes), _short(r.code)])
                 for r in a.lines]
         notes = []
+        if self.full_steps:
+            notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
+                         f"and allocated: up to step {self.full_steps:,} (--steps 0 records all)")
         slowest = self.slowest_line()
         if slowest is not None and self.wall_s:
             notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
@@ -779,6 +899,8 @@ class Capture:
     plain_wall_s: float | None = None
     plain_from: str | None = None
     source: str = ""  # the cell's code, for the memory timeline's labels
+    loops: dict[int, range] = field(default_factory=dict)  # outer_loops(the cell's code)
+    traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -797,8 +919,11 @@ class Capture:
                 self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
         heard: list[str] = []
-        prof = _profiler(cuda)
-        tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
+        steps = opts.steps if opts.lines and self.loops else 0
+        prof = _profiler(cuda, steps)
+        tracer = LineTracer(
+            self.cell_file, self.label, self.functions, self.loops, steps, prof.step
+        ) if opts.lines else None
         meter = Meter(sync=True)
         value = measured = recorder = None
         # kineto writes to descriptor 2 at start and stop, and torch's allocator once
@@ -826,14 +951,17 @@ class Capture:
                 measured = meter.stop()
             except BaseException as err:
                 prof.stop()
+                _release(prof)
                 meter.close()
                 try:
                     show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
                                               partial=err))
                 except Exception:  # ours: the cell's own error is the one to see
                     _log.debug("the partial profile could not be made", exc_info=True)
+                prof = tracer = recorder = None  # the traceback keeps this frame, not the record
                 raise
             prof.stop()
+            _release(prof)
             meter.close()
         try:
             return self._report(prof, tracer, measured, heard, cuda, recorder), value
@@ -853,6 +981,9 @@ class Capture:
         in_use = cuda or (measured is not None and measured.device is not None)
         analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
                            device_in_use=in_use)
+        windowed = tracer is not None and tracer.windowed
+        if tracer is not None and windowed:
+            analysis.lines = tracer.rows(analysis.lines)
         notes = _device_notes(analysis, events, heard, cuda)
         if not cuda and runtime_up("cuda"):
             notes.append("CUDA started in this cell, after recording began: its device "
@@ -861,7 +992,7 @@ class Capture:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
         wall = measured.wall_s if measured is not None else max(
             (e.end_ns for e in events), default=0) / 1e9
-        trace = self._write_trace(prof, notes)
+        trace, trace_bytes = self._write_trace(prof, notes)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -872,6 +1003,9 @@ class Capture:
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
             plain_from=self.plain_from, partial=why, notes=notes, profiler=prof, sort=opts.sort,
             timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
+            trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
+            steps=tracer.steps if tracer is not None else 0,
+            full_steps=opts.steps if windowed else 0,
         )
 
     def _timeline(self, prof: Any, recorder: Any, notes: list[str]) -> Any:
@@ -888,28 +1022,27 @@ class Capture:
             notes.append(f"the memory timeline could not be drawn: {first_sentence(err, True)}")
             return None
         return timeline
-    def _write_trace(self, prof: Any, notes: list[str]) -> str | None:
-        """Write the trace; kineto says a failure only on stderr, so the file is opened
-        here first, and kineto's lines are caught like its others."""
+    def _write_trace(self, prof: Any, notes: list[str]) -> tuple[str | None, int]:
+        """Write the trace: the path and its size. kineto says a failure only on stderr, so
+        the file is opened here first, and kineto's lines are caught like its others. An
+        unnamed trace goes to the session's one kept file (`traces`)."""
         path = self.options.trace
         try:
-            if path is None:
-                fd, path = tempfile.mkstemp(
-                    prefix=f"tdm-profile-{self.label.replace('[', '').replace(']', '')}-",
-                    suffix=".json")
-                os.close(fd)
-            path = os.path.expanduser(path)
+            path = self.traces.new(self.label) if path is None else os.path.expanduser(path)
             with open(path, "w"):
                 pass
             with quiet_stderr([]):
                 prof.export_chrome_trace(path)
-            if not os.path.getsize(path):
+            size = os.path.getsize(path)
+            if not size:
                 raise OSError("kineto wrote nothing")
         except (OSError, RuntimeError) as err:
+            if self.options.trace is None:
+                self.traces.clear()
             why = getattr(err, "strerror", None) or err
             notes.append(f"the trace could not be written to {path}: {why}")
-            return None
-        return path
+            return None, 0
+        return path, size
 
 
 def _device_notes(
@@ -948,12 +1081,29 @@ def _sync() -> None:
         accel.synchronize()
 
 
-def _profiler(cuda: bool) -> Any:
-    """torch's profiler, recording CUDA only where asked."""
-    from torch.profiler import ProfilerActivity, profile
+def _profiler(cuda: bool, steps: int = 0) -> Any:
+    """torch's profiler, recording CUDA only where asked; with `steps`, it records until its
+    `step()` has been called `steps` times (the line tracer calls it as the cell's outer
+    loop starts a step), then stops recording."""
+    from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+    def schedule(step: int) -> ProfilerAction:
+        return (ProfilerAction.RECORD if step < steps - 1
+                else ProfilerAction.RECORD_AND_SAVE if step == steps - 1
+                else ProfilerAction.NONE)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    return profile(activities=activities, record_shapes=True, profile_memory=True)
+    prof = profile(activities=activities, record_shapes=True, profile_memory=True,
+                   schedule=schedule if steps else None)
+    prof.record_steps = False  # its ProfilerStep ranges would be rows of the op table
+    return prof
+
+
+def _release(prof: Any) -> None:
+    """Break torch.profiler.profile's reference cycle (its `action_map` holds its own bound
+    methods), so that kineto's record goes with the last reference to the profiler (the
+    report's, with -o) instead of waiting for a full garbage collection."""
+    prof.action_map = {}
 
 
 def _start(prof: Any, heard: list[str]) -> None:

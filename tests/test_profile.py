@@ -165,7 +165,7 @@ def test_five_captures_of_one_cell_agree(ip):
     # What is deterministic must be equal (no timing is asserted: the machine is shared);
     # each capture's lines account for its own wall, not a shifted one.
     ip.run_cell("w = torch.randn(64, 64)")
-    reports = [profile(ip, "-o", "for _ in range(20):\n    y = (w @ w).relu()")
+    reports = [profile(ip, "-o --steps 0", "for _ in range(20):\n    y = (w @ w).relu()")
                for _ in range(5)]
     tables = [{r.name: (r.calls, r.allocated_bytes, r.shapes) for r in rep.ops} for rep in reports]
     assert all(t == tables[0] for t in tables)

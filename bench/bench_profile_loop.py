@@ -34,6 +34,7 @@ import gc
 import io
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -100,7 +101,9 @@ def peak_bytes() -> int:
 
 
 def run(ip: InteractiveShell, package: str | None, steps: int, traces: Path) -> dict:
-    """One run of the loop, plain (`package` None) or under that package's %%profile."""
+    """One run of the loop, plain (`package` None) or under that package's %%profile, its
+    unnamed traces going to the folder `traces`."""
+    tempfile.tempdir = str(traces)
     with contextlib.redirect_stdout(io.StringIO()):
         if package is not None:
             ip.run_cell(f"%load_ext {package}")
@@ -125,11 +128,9 @@ def run(ip: InteractiveShell, package: str | None, steps: int, traces: Path) -> 
             raise RuntimeError(f"no overview in the output:\n{out.getvalue()[-2000:]}")
         scale = {"µs": 1e-6, "ms": 1e-3, "s": 1.0}[wall.group(2)]
         found["loop_s"] = float(wall.group(1)) * scale
-        new = [p for p in traces.iterdir() if p not in before] or [
-            p for p in traces.iterdir() if p.name.startswith("tdm-profile-")]
+        new = [p for p in traces.iterdir() if p not in before]
         found["trace_bytes"] = max((p.stat().st_size for p in new), default=0)
-        found["traces_on_disk"] = sum(1 for p in traces.iterdir()
-                                      if p.name.startswith("tdm-profile-"))
+        found["traces_on_disk"] = len(list(traces.iterdir()))
         with contextlib.redirect_stdout(io.StringIO()):
             ip.run_cell(f"%unload_ext {package}")
     ip.run_cell("del lossi")
@@ -144,12 +145,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--against", action="append", default=[], metavar="REV")
     args = parser.parse_args()
-    traces = Path(tempfile.mkdtemp(prefix="bench_profile_loop_"))
-    tempfile.tempdir = str(traces)  # every unnamed trace goes there, and is counted
     ip = shell()
     modes = {"plain": None, "ours": "torch_device_magic"}
     for rev in args.against:
         modes[f"at {rev}"] = package_at(rev)
+    # each mode's unnamed traces in a folder of its own, where they are counted
+    traces = {m: Path(tempfile.mkdtemp(prefix="bench_profile_loop_")) for m in modes}
     for mode, package in modes.items():  # the first capture of the process, apart
         if package is not None:
             t0 = time.perf_counter()
@@ -161,11 +162,21 @@ def main() -> None:
                   "(torch.profiler's imports)")
             break
     print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds")
-    for steps in args.loop_steps:
+    try:
+        measure(ip, modes, traces, args.loop_steps, args.rounds)
+    finally:  # what an older %%profile left there
+        for folder in traces.values():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def measure(ip: InteractiveShell, modes: dict[str, str | None], traces: dict[str, Path],
+            loop_steps: list[int], rounds: int) -> None:
+    """Rounds of every mode at each number of steps; a summary per number of steps."""
+    for steps in loop_steps:
         found: dict[str, list[dict]] = {m: [] for m in modes}
-        for n in range(args.rounds):
+        for n in range(rounds):
             for mode in rotated(list(modes), n):
-                found[mode].append(run(ip, modes[mode], steps, traces))
+                found[mode].append(run(ip, modes[mode], steps, traces[mode]))
         plain = [r["cell_s"] for r in found["plain"]]
         print(f"\n{steps:,} steps: plain cell {statistics.median(plain):.2f} s "
               f"(rounds {min(plain):.2f}-{max(plain):.2f} s)")

@@ -18,7 +18,9 @@ from IPython.core.error import UsageError
 from torch_device_magic import profiling
 from torch_device_magic.profiling import ProfileReport, analyse
 
-LOOP = "w = torch.ones(8, 8)\nfor i in range({n}):\n    y = (w @ w).relu()\n    z = y.sum()\ndone = i"
+LOOP = ("w = torch.ones(8, 8)\n"
+        "for i in range({n}):\n    y = (w @ w).relu()\n    z = y.sum()\ndone = i")
+
 
 
 @pytest.fixture
@@ -171,7 +173,7 @@ def test_the_outer_loops_are_found_outside_functions_and_other_loops():
                 pass
     """)
     assert profiling.outer_loops(source) == {2: range(3, 6), 7: range(8, 9), 13: range(14, 15)}
-    assert profiling.outer_loops("%time x = 1") == {}  # not Python: nothing to bound, recorded in full
+    assert profiling.outer_loops("%time x = 1") == {}  # not Python: recorded in full
 
 
 def test_a_large_trace_has_its_size_in_the_overview():

@@ -719,7 +719,11 @@ class TorchDeviceMagics(Magics):
         The cell runs as a cell: Out[n], tracebacks at its lines, names bound.
         `-n` and `--warmup` run it more than once, and each run repeats its side
         effects (appends, training steps). The trace goes to `--trace PATH` or a
-        temporary file, stamped rank 0 so Holistic Trace Analysis reads it.
+        temporary file (only the last one is kept, deleted at unload and exit),
+        stamped rank 0 so Holistic Trace Analysis reads it. A loop at the cell's
+        top level is recorded in full up to its 6th step (`--steps`), and its
+        lines timed over every step, so that a long loop costs about what it
+        costs without the profiler.
         `--memory` adds the memory over the cell's time, drawn inline without
         network, its largest allocations labelled by line: from the CUDA
         allocator's history where the cell used CUDA, else from the

@@ -17,7 +17,9 @@ device), and the same under each `--against` commit's package (extracted with
 Every run starts from the same parameters, after `gc.collect()` and `malloc_trim(0)`.
 
 Per run: the whole cell's wall time (`time.perf_counter` around `run_cell`:
-everything after the loop included), its ratio to the plain run of the same round,
+everything after the loop included), its ratio to the plain run of the same round
+(and the same in the process's CPU time, which the load of other processes
+inflates less),
 the wall the overview reports (the loop itself), the host peak above the RSS at the
 cell's start (the kernel's high-water mark, reset before the cell), and the trace's
 size. Figures are medians over rounds (ratios: of each round's ratio). One torch
@@ -118,10 +120,10 @@ def run(ip: InteractiveShell, package: str | None, steps: int, traces: Path) -> 
     rss0 = rss_bytes()
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         ip.run_cell(cell if package is None else f"%%profile\n{cell}")
-        cell_s = time.perf_counter() - t0
-    found = {"cell_s": cell_s, "peak_bytes": peak_bytes() - rss0}
+        cell_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+    found = {"cell_s": cell_s, "cpu_s": cpu_s, "peak_bytes": peak_bytes() - rss0}
     if package is not None:
         wall = re.search(r"wall ([\d.]+) (µs|ms|s)\b", out.getvalue())
         if wall is None:
@@ -185,12 +187,14 @@ def measure(ip: InteractiveShell, modes: dict[str, str | None], traces: dict[str
                 continue
             rs = found[mode]
             ratio = [r["cell_s"] / p for r, p in zip(rs, plain)]
+            cpu = [r["cpu_s"] / p["cpu_s"] for r, p in zip(rs, found["plain"])]
             loop = [r["loop_s"] / p for r, p in zip(rs, plain)]
             after = [(r["cell_s"] - r["loop_s"]) / r["cell_s"] for r in rs]
             peak = statistics.median(r["peak_bytes"] for r in rs) / 2**20
             trace = statistics.median(r["trace_bytes"] for r in rs) / 1e6
             print(f"  {mode}: cell {statistics.median(ratio):.2f}x the plain cell (rounds "
-                  f"{min(ratio):.2f}-{max(ratio):.2f}x); loop {statistics.median(loop):.2f}x; "
+                  f"{min(ratio):.2f}-{max(ratio):.2f}x; CPU time {statistics.median(cpu):.2f}x, "
+                  f"{min(cpu):.2f}-{max(cpu):.2f}x); loop {statistics.median(loop):.2f}x; "
                   f"after the loop {statistics.median(after):.0%} of the cell; host peak "
                   f"+{peak:.0f} MiB; trace {trace:.1f} MB; "
                   f"{rs[-1]['traces_on_disk']} unnamed trace(s) on disk")

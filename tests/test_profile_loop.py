@@ -182,3 +182,18 @@ def test_a_large_trace_has_its_size_in_the_overview():
     assert "trace /tmp/t.json (300.0 MiB, until the next %%profile)" in report.overview()
     report.trace_bytes, report.trace_temporary = 2**20, False
     assert report.overview().endswith("trace /tmp/t.json")
+
+
+def test_a_forked_child_that_exits_leaves_the_kept_trace(ip, temp_dir):
+    path = profile_o(ip, "y = torch.ones(3) + 1").trace_path
+    traces = ip.magics_manager.registry["TorchDeviceMagics"].traces
+    child = os.fork()
+    if child == 0:  # what the child's exit would run of ours (sys.exit in an os.fork child)
+        try:
+            traces._exit()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert os.path.exists(path)
+    traces._exit()  # the session's own exit
+    assert not os.path.exists(path)

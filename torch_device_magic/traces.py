@@ -26,13 +26,14 @@ class TraceFiles:
     def __init__(self) -> None:
         self.kept: str | None = None
         self._at_exit = False
+        self._pid = os.getpid()
 
     def new(self, label: str) -> str:
         """A fresh file for the trace of the capture `label` ('In[3]'); the one kept before
         is deleted first, so the disk holds one at a time."""
         self.clear()
         if not self._at_exit:  # the interpreter's exit deletes the last one
-            atexit.register(self.clear)
+            atexit.register(self._exit)
             self._at_exit = True
         fd, path = tempfile.mkstemp(
             prefix=f"tdm-profile-{label.replace('[', '').replace(']', '')}-", suffix=".json")
@@ -51,5 +52,9 @@ class TraceFiles:
         """At unload: delete the kept trace; nothing is left for the exit to do."""
         self.clear()
         if self._at_exit:
-            atexit.unregister(self.clear)
+            atexit.unregister(self._exit)
             self._at_exit = False
+
+    def _exit(self) -> None:
+        if os.getpid() == self._pid:  # a forked child that exits leaves the session's file
+            self.clear()

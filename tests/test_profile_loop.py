@@ -13,6 +13,7 @@ import textwrap
 import weakref
 
 import pytest
+import torch
 from IPython.core.error import UsageError
 
 from torch_device_magic import profiling
@@ -197,3 +198,15 @@ def test_a_forked_child_that_exits_leaves_the_kept_trace(ip, temp_dir):
     assert os.path.exists(path)
     traces._exit()  # the session's own exit
     assert not os.path.exists(path)
+
+
+def test_a_loop_that_raises_after_its_recorded_steps_shows_them_and_stops_cleanly(ip, capsys):
+    ip.run_cell("w = torch.ones(8, 8)")
+    with pytest.raises(ValueError, match="step 40"):
+        ip.run_cell("%%profile\nfor i in range(50):\n    y = (w @ w).relu()\n"
+                    "    if i == 40:\n        raise ValueError('step 40')")
+    out = capsys.readouterr().out
+    assert "PARTIAL: the cell raised ValueError" in out
+    assert "recorded in full up to step 6 of 41" in out
+    assert not torch.autograd.profiler._is_profiler_enabled and sys.gettrace() is None
+    assert profile_o(ip, LOOP.format(n=20)).full_steps == 6  # and the next one works

@@ -210,3 +210,9 @@ def test_a_loop_that_raises_after_its_recorded_steps_shows_them_and_stops_cleanl
     assert "recorded in full up to step 6 of 41" in out
     assert not torch.autograd.profiler._is_profiler_enabled and sys.gettrace() is None
     assert profile_o(ip, LOOP.format(n=20)).full_steps == 6  # and the next one works
+
+
+def test_memory_draws_the_recorded_steps_of_a_long_loop(ip):
+    report = profile_o(ip, LOOP.format(n=50), "--memory")
+    assert report.full_steps == 6 and report.timeline is not None
+    assert not any("could not" in note for note in report.notes)

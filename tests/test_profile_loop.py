@@ -127,12 +127,13 @@ def test_a_long_loop_is_recorded_up_to_a_bound_and_its_lines_timed_over_every_st
     assert short.analysis.op_calls == long.analysis.op_calls > 0  # bounded, not per step
     assert 0 < long.trace_bytes < 1.5 * short.trace_bytes  # the last one only is kept
     for report, n in ((short, 200), (long, 2000)):
-        assert (report.steps, report.full_steps) == (n, 6)
+        assert (report.steps, report.full_steps) == (n, 5)
         assert next(r for r in report.lines if r.code == "y = (w @ w).relu()").hits == n
         assert next(r for r in report.lines if r.code == "done = i").hits == 1  # after the loop
         assert sum(r.wall_s for r in report.lines) <= report.wall_s
-        assert f"recorded in full up to step 6 of {n:,}" in report.overview()
-    assert next(r for r in long.ops if r.name == "aten::mm").calls == 6  # its first 6 steps
+        assert f"steps 2–6 of {n:,} in full" in report.overview()
+    assert next(r for r in long.ops if r.name == "aten::mm").calls == 5  # steps 2 to 6
+    assert not any(r.name == "aten::ones" for r in long.ops)  # before the loop: not recorded
     assert ip.user_ns["done"] == 1999
 
 
@@ -141,13 +142,17 @@ def test_steps_sets_the_bound_and_0_records_every_step(ip):
                 if r.name == "aten::mm").calls == 2
     every = profile_o(ip, LOOP.format(n=50), "--steps 0")
     assert next(r for r in every.ops if r.name == "aten::mm").calls == 50
-    assert every.full_steps == 0 and "recorded in full" not in every.overview()
+    assert every.full_steps == 0 and "in full" not in every.overview()
 
 
-def test_a_loop_within_the_bound_is_recorded_in_full(ip):
-    report = profile_o(ip, LOOP.format(n=6))
-    assert next(r for r in report.ops if r.name == "aten::mm").calls == 6
-    assert report.full_steps == 0 and "recorded in full" not in str(report)
+def test_a_loop_of_one_step_is_recorded_in_full_and_a_short_one_from_its_second(ip):
+    one = profile_o(ip, LOOP.format(n=1))
+    assert next(r for r in one.ops if r.name == "aten::mm").calls == 1
+    assert any(r.name == "aten::ones" for r in one.ops)  # the code before the loop too
+    assert one.full_steps == 0 and "in full" not in str(one)
+    three = profile_o(ip, LOOP.format(n=3))
+    assert next(r for r in three.ops if r.name == "aten::mm").calls == 2
+    assert "steps 2–3 of 3 in full" in three.overview()
 
 
 def test_a_negative_steps_is_one_usage_error_and_runs_nothing(ip):
@@ -207,12 +212,12 @@ def test_a_loop_that_raises_after_its_recorded_steps_shows_them_and_stops_cleanl
                     "    if i == 40:\n        raise ValueError('step 40')")
     out = capsys.readouterr().out
     assert "PARTIAL: the cell raised ValueError" in out
-    assert "recorded in full up to step 6 of 41" in out
+    assert "steps 2–6 of 41 in full" in out
     assert not torch.autograd.profiler._is_profiler_enabled and sys.gettrace() is None
-    assert profile_o(ip, LOOP.format(n=20)).full_steps == 6  # and the next one works
+    assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works
 
 
 def test_memory_draws_the_recorded_steps_of_a_long_loop(ip):
     report = profile_o(ip, LOOP.format(n=50), "--memory")
-    assert report.full_steps == 6 and report.timeline is not None
+    assert report.full_steps == 5 and report.timeline is not None
     assert not any("could not" in note for note in report.notes)

@@ -88,7 +88,7 @@ class Options:
     trace: str | None = None
     memory: bool = False  # the memory timeline (memtimeline)
     lines: bool = True  # the line table (off only to measure its cost)
-    steps: int = 6  # the cell's outer loop: steps recorded in full (0: all)
+    steps: int = 5  # the cell's outer loop: steps recorded in full after the first (0: all)
 
     def check(self) -> None:
         if self.runs < 1 or self.warmup < 0:
@@ -497,9 +497,10 @@ class LineTracer:
 
     With `loops` (`outer_loops` of the cell) and `full_steps`, it also counts the steps
     of the cell's outer loop (an iteration begins where a line of its body follows its
-    header), calls `on_step` as each of the first `full_steps` steps ends, and opens no
-    range after them; so that the lines keep their figures over every step, it times
-    each line itself too (`hits`, `wall_ns`: the time each was the innermost line)."""
+    header) and calls `on_step` as each of the first `full_steps + 1` steps ends (the
+    profiler's schedule: see `_profiler`), opening no range after them; so that the
+    lines keep their figures over every step, it times each line itself too (`hits`,
+    `wall_ns`: the time each was the innermost line)."""
 
     def __init__(
         self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = (),
@@ -529,8 +530,8 @@ class LineTracer:
 
     @property
     def windowed(self) -> bool:
-        """Whether steps ran after those recorded in full."""
-        return bool(self.full_steps) and self.steps > self.full_steps
+        """Whether a second step began: the profiler then recorded from there."""
+        return bool(self.full_steps) and self.steps > 1
 
     def rows(self, recorded: list[LineRow]) -> list[LineRow]:
         """The line rows over every step: hits and wall from this tracer, the rest from
@@ -567,12 +568,14 @@ class LineTracer:
         self.steps += 1
         if self._on_step is not None and self.steps > 1:
             try:
-                self._on_step()
-            except Exception:  # ours: the cell runs on, recorded in full
+                with warnings.catch_warnings():  # "Profiler clears events…": as we meant
+                    warnings.simplefilter("ignore")
+                    self._on_step()
+            except Exception:  # ours: the cell runs on
                 _log.debug("the profiler's step failed", exc_info=True)
                 self._on_step = None
                 return
-            if self.steps > self.full_steps:
+            if self.steps > self.full_steps + 1:
                 self._on_step = None
                 self._recording = False
 
@@ -764,7 +767,7 @@ class ProfileReport:
     trace_bytes: int = 0
     trace_temporary: bool = False  # the session's file, replaced by the next capture's
     steps: int = 0  # the iterations of the cell's outer loop that began
-    full_steps: int = 0  # how many of them were recorded in full (0: all)
+    full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
 
     @property
     def ops(self) -> list[OpRow]:
@@ -789,8 +792,8 @@ class ProfileReport:
                      f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
         parts = [f"%%profile {self.label}: {runs}, {wall}"]
         if self.full_steps:
-            parts.append(f"recorded in full up to step {self.full_steps:,} of {self.steps:,} "
-                         "(ops, memory, trace); lines timed over all")
+            parts.append(f"steps {self._recorded()} of {self.steps:,} in full (ops, memory, "
+                         "trace); lines timed over all")
         device = self.measurement.device if self.measurement is not None else None
         if a.device_recorded and a.device_busy_s is not None:
             share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
@@ -844,13 +847,17 @@ class ProfileReport:
         notes = []
         if self.full_steps:
             notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
-                         f"and allocated: up to step {self.full_steps:,} (--steps 0 records all)")
+                         f"and allocated: steps {self._recorded()} (--steps 0 records all)")
         slowest = self.slowest_line()
         if slowest is not None and self.wall_s:
             notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
                          f"the wall: {_short(slowest.code)}")
         return Table("by line (each event goes to the innermost line of the cell running)",
                      head, rows, notes)
+
+    def _recorded(self) -> str:
+        last = min(self.full_steps + 1, self.steps)
+        return "2" if last == 2 else f"2–{last:,}"
 
     def slowest_line(self) -> LineRow | None:
         return max(self.lines, key=lambda r: r.wall_s, default=None)
@@ -1082,14 +1089,17 @@ def _sync() -> None:
 
 
 def _profiler(cuda: bool, steps: int = 0) -> Any:
-    """torch's profiler, recording CUDA only where asked; with `steps`, it records until its
-    `step()` has been called `steps` times (the line tracer calls it as the cell's outer
-    loop starts a step), then stops recording."""
+    """torch's profiler, recording CUDA only where asked.
+
+    With `steps`, its `step()` is called as each step of the cell's outer loop begins
+    (by the line tracer), and its schedule records the cell up to the loop's 2nd step
+    (all of it, where the loop has one step or none); from there on, afresh, the steps
+    2 to `steps + 1`, which leaves the first step's one-time costs out; then nothing."""
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-    def schedule(step: int) -> ProfilerAction:
-        return (ProfilerAction.RECORD if step < steps - 1
-                else ProfilerAction.RECORD_AND_SAVE if step == steps - 1
+    def schedule(step: int) -> ProfilerAction:  # step n: the loop's (n + 1)-th
+        return (ProfilerAction.RECORD_AND_SAVE if step in (0, steps)
+                else ProfilerAction.RECORD if step < steps
                 else ProfilerAction.NONE)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

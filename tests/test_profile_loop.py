@@ -221,3 +221,13 @@ def test_memory_draws_the_recorded_steps_of_a_long_loop(ip):
     report = profile_o(ip, LOOP.format(n=50), "--memory")
     assert report.full_steps == 5 and report.timeline is not None
     assert not any("could not" in note for note in report.notes)
+
+
+def test_an_unnamed_trace_that_cannot_be_written_leaves_no_file(ip, temp_dir, monkeypatch):
+    def refuse(self, path, *args, **kwargs):
+        raise RuntimeError("kineto refused")
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", refuse)
+    report = profile_o(ip, "made = torch.ones(2)")
+    assert report.trace_path is None and "kineto refused" in str(report)
+    assert traces_in(temp_dir) == [] and "made" in ip.user_ns

@@ -20,6 +20,12 @@ are in the trace too, named by their line. A traced line costs a few µs
 (`bench/bench_profile.py` measures it); frames of other code pay one call of
 the tracer each.
 
+A long loop. Where the cell has a loop at its top level, the tracer steps the
+profiler's schedule as each of its steps begins: the profiler records steps 2 to 6
+(`--steps`) and then nothing, while the tracer times every line of every step itself;
+so the capture (kineto's record, the events read, the trace) is bounded whatever the
+number of steps, and the lines' hits and wall still cover them all.
+
 Figures are read from kineto's own events (`kineto_results.events()`), not
 from torch's `key_averages()`, which builds a Python object per event; the raw
 profiler stays available for that (`-o`). Nothing here keeps a user's tensor:

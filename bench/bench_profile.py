@@ -83,12 +83,12 @@ def by_hand(ip: InteractiveShell, trace: str) -> None:
 
 
 def magic(ip: InteractiveShell, trace: str) -> None:
-    ip.run_cell(f"%%profile --trace {trace}\n{STEP}")
+    ip.run_cell(f"%%profile --steps 0 --trace {trace}\n{STEP}")  # every step, as by hand
 
 
 def engine(ip: InteractiveShell, lines: bool, trace: str) -> None:
     run, filename = cells.compile_cell(ip, STEP)
-    report, _ = Capture(run, filename, "In[1]", Options(trace=trace, lines=lines))(print)
+    report, _ = Capture(run, filename, "In[1]", Options(trace=trace, lines=lines, steps=0))(print)
     print(report)
 
 

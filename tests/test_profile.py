@@ -42,7 +42,7 @@ def test_the_cell_runs_as_a_cell_and_the_report_names_its_lines(ip, capsys):
 
 
 def test_the_line_table_gives_each_event_to_the_innermost_line(ip):
-    report = profile(ip, "-o", """def work(n):
+    report = profile(ip, "-o --steps 0", """def work(n):
     a = torch.randn(n, n) @ torch.randn(n, n)
     return a.sum()
 total = 0
@@ -165,7 +165,7 @@ def test_five_captures_of_one_cell_agree(ip):
     # What is deterministic must be equal (no timing is asserted: the machine is shared);
     # each capture's lines account for its own wall, not a shifted one.
     ip.run_cell("w = torch.randn(64, 64)")
-    reports = [profile(ip, "-o", "for _ in range(20):\n    y = (w @ w).relu()")
+    reports = [profile(ip, "-o --steps 0", "for _ in range(20):\n    y = (w @ w).relu()")
                for _ in range(5)]
     tables = [{r.name: (r.calls, r.allocated_bytes, r.shapes) for r in rep.ops} for rep in reports]
     assert all(t == tables[0] for t in tables)
@@ -303,7 +303,7 @@ def _nothing_left_recording():
 def test_on_another_accelerator_an_item_in_a_loop_is_named(ip, tdmdev):
     # tdmdev records no device activity, but its .item() waits for the device all the same.
     ip.run_cell("t = torch.ones(4, device='tdmdev:0')")
-    report = profile(ip, "-o", "s = 0.0\nfor _ in range(3):\n    s += t.sum().item()")
+    report = profile(ip, "-o --steps 0", "s = 0.0\nfor _ in range(3):\n    s += t.sum().item()")
     assert report.measurement.device == "tdmdev:0" and not report.analysis.device_recorded
     assert report.analysis.stalls == [
         ".item() 3 times on line 3 (a loop: each waits for the device)"]

@@ -39,7 +39,7 @@ def reporter(ip):
 
 
 def test_threads_records_the_ops_of_the_threads_the_cell_starts(ip):
-    report = ip.run_cell(f"%%profile -o --threads\n{THREADS}").result
+    report = ip.run_cell(f"%%profile -o --threads --steps 0\n{THREADS}").result
     calls = {r.name: r.calls for r in report.ops}
     assert calls["aten::mm"] == 40 and calls["aten::sum"] >= 40  # 2 threads x 20 each
     assert report.analysis.op_calls >= 80

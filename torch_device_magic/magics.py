@@ -31,6 +31,7 @@ from .history import save_plot
 from .hooks import CellReporter
 from .namespace import scan
 from .session import Session
+from .traces import TraceFiles
 from .units import parse_bytes
 
 
@@ -136,6 +137,7 @@ class TorchDeviceMagics(Magics):
         self.session = Session()
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._profiling = False  # a %%profile cell is running
+        self.traces = TraceFiles()  # %%profile's unnamed traces: the last one is kept
         super().__init__(shell=shell)
 
     @property
@@ -192,6 +194,7 @@ class TorchDeviceMagics(Magics):
         self.reporter.unregister(self.shell)
         self.reporter.set_hint(self.shell, None)
         self.session.close(self.shell.user_ns)
+        self.traces.close()
 
     @magic_arguments()
     @argument(
@@ -717,7 +720,12 @@ class TorchDeviceMagics(Magics):
               help="the op table's order: self (CPU time, the default), total, device, memory")
     @argument("--top", type=int, default=10, help="rows of the op and kernel tables (default 10)")
     @argument("--trace", metavar="PATH",
-              help="write the Chrome/Perfetto trace there (default: a temporary file, shown)")
+              help="write the Chrome/Perfetto trace there (default: a temporary file, shown, "
+              "kept until the next %%%%profile or the session's end)")
+    @argument("--steps", type=int, default=5,
+              help="where the cell has a loop, record STEPS of its steps in full from the "
+              "second (ops, memory, trace; default 5) and time the lines of every step; 0 "
+              "records all")
     @argument("--memory", action="store_true",
               help="also draw the cell's memory over time, offline, its largest allocations "
               "labelled by line: from the CUDA allocator's history where the cell used CUDA "
@@ -755,7 +763,11 @@ class TorchDeviceMagics(Magics):
         The cell runs as a cell: Out[n], tracebacks at its lines, names bound.
         `-n` and `--warmup` run it more than once, and each run repeats its side
         effects (appends, training steps). The trace goes to `--trace PATH` or a
-        temporary file, stamped rank 0 so Holistic Trace Analysis reads it.
+        temporary file (only the last one is kept, deleted at unload and exit),
+        stamped rank 0 so Holistic Trace Analysis reads it. A loop at the cell's
+        top level is recorded in full over its steps 2 to 6 (`--steps`), and its
+        lines timed over every step, so that a long loop costs about what it
+        costs without the profiler.
         `--memory` adds the memory over the cell's time, drawn inline without
         network, its largest allocations labelled by line: from the CUDA
         allocator's history where the cell used CUDA, else from the
@@ -784,7 +796,7 @@ class TorchDeviceMagics(Magics):
         args = parse(self.profile, line, cell=True)
         options = profiling.Options(
             args.runs, args.warmup, args.sort, args.top, args.trace, args.memory,
-            threads=args.threads,
+            threads=args.threads, steps=args.steps,
         )
         options.check()
         profiling.refuse_if_recording(self._profiling)
@@ -795,6 +807,7 @@ class TorchDeviceMagics(Magics):
         capture = profiling.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
             *self.reporter.plain_run(cell), source=cell,
+            loops=profiling.outer_loops(self.shell.transform_cell(cell)), traces=self.traces,
         )
         self.reporter.mark_profiled()
         self._profiling = True

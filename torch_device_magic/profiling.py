@@ -23,6 +23,12 @@ are in the trace too, named by their line. A traced line costs a few µs
 (`bench/bench_profile.py` measures it); frames of other code pay one call of
 the tracer each.
 
+A long loop. Where the cell has a loop at its top level, the tracer steps the
+profiler's schedule as each of its steps begins: the profiler records steps 2 to 6
+(`--steps`) and then nothing, while the tracer times every line of every step itself;
+so the capture (kineto's record, the events read, the trace) is bounded whatever the
+number of steps, and the lines' hits and wall still cover them all.
+
 Figures are read from kineto's own events (`kineto_results.events()`), not
 from torch's `key_averages()`, which builds a Python object per event; the raw
 profiler stays available for that (`-o`). Nothing here keeps a user's tensor:
@@ -48,6 +54,7 @@ starts or stops waits until that is done.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import contextlib
 import json
@@ -58,6 +65,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -71,6 +79,7 @@ from .errors import DeviceMagicError, first_sentence
 from .measure import Measurement, Meter
 from .probes import clock, runtime_up
 from .reports import Table
+from .traces import LARGE_BYTES, TraceFiles
 from .units import fmt_bytes, fmt_seconds, plural
 
 SORTS = ("self", "total", "device", "memory")
@@ -99,6 +108,7 @@ class Options:
     memory: bool = False  # the memory timeline (memtimeline)
     threads: bool = False  # record every thread (the threads the cell starts), not memory
     lines: bool = True  # the line table (off only to measure its cost)
+    steps: int = 5  # the cell's outer loop: steps recorded in full after the first (0: all)
 
     def check(self) -> None:
         if self.runs < 1 or self.warmup < 0:
@@ -114,6 +124,8 @@ class Options:
                 f"%%profile --threads: torch {torch.__version__} cannot record other threads "
                 "(its profiler has no profile_all_threads)"
             )
+        if self.steps < 0:
+            raise DeviceMagicError("%%profile --steps needs 1 or more (or 0: every step)")
         if self.trace is not None and not self.trace.strip():
             raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
 
@@ -506,10 +518,19 @@ def _stalls(
 
 class LineTracer:
     """Opens a profiler range per executed line of the watched code (see the module's
-    docstring); `names` maps each range's name to the line's (where, code)."""
+    docstring); `names` maps each range's name to the line's (where, code).
+
+    With `loops` (`outer_loops` of the cell) and `full_steps`, it also counts the steps
+    of the cell's outer loop (an iteration begins where a line of its body follows its
+    header) and calls `on_step` as each of the first `full_steps + 1` steps ends (the
+    profiler's schedule: see `_profiler`), opening no range after them; so that the
+    lines keep their figures over every step, it times each line itself too (`hits`,
+    `wall_ns`: the time each was the innermost line)."""
 
     def __init__(
-        self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = ()
+        self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = (),
+        loops: dict[int, range] | None = None, full_steps: int = 0,
+        on_step: Callable[[], Any] | None = None,
     ) -> None:
         self.cell_file = cell_file
         self.cell_label = cell_label
@@ -523,6 +544,67 @@ class LineTracer:
         self._previous_threads: Any = None
         self._started: list[int] = []  # one entry per thread started while tracing
         self._range = _range_type()
+        self.loops = loops or {}
+        self.full_steps = full_steps
+        self.steps = 0  # steps of the outer loop begun
+        self.hits: Counter[str] = Counter()
+        self.wall_ns: Counter[str] = Counter()
+        self._on_step = on_step if full_steps else None
+        self._recording = True  # ranges are opened
+        self._innermost: list[str | None] = []  # per traced frame, its line running
+        self._since = 0
+        self._header: int | None = None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a second step began: the profiler then recorded from there."""
+        return bool(self.full_steps) and self.steps > 1
+
+    def rows(self, recorded: list[LineRow]) -> list[LineRow]:
+        """The line rows over every step: hits and wall from this tracer, the rest from
+        the `recorded` rows (of the steps recorded in full)."""
+        by_where = {(r.where, r.code): r for r in recorded}
+        out = []
+        for name, (where, code) in self.names.items():
+            if not self.hits[name]:
+                continue
+            row = by_where.get((where, code))
+            out.append(LineRow(
+                where=where, code=code, hits=self.hits[name], wall_s=self.wall_ns[name] / 1e9,
+                cpu_s=row.cpu_s if row else 0.0, device_s=row.device_s if row else None,
+                allocated_bytes=row.allocated_bytes if row else 0,
+            ))
+        return out
+
+    def _charge(self) -> None:
+        """The time since the last event, to the line that was innermost."""
+        now = time.perf_counter_ns()
+        if self._innermost and self._innermost[-1] is not None:
+            self.wall_ns[self._innermost[-1]] += now - self._since
+        self._since = now
+
+    def _count(self, lineno: int) -> None:
+        """A line of the cell's top level ran: a step begins where its outer loop's body
+        follows the loop's header."""
+        if lineno in self.loops:
+            self._header = lineno
+            return
+        header, self._header = self._header, None
+        if header is None or lineno not in self.loops[header]:
+            return
+        self.steps += 1
+        if self._on_step is not None and self.steps > 1:
+            try:
+                with warnings.catch_warnings():  # "Profiler clears events…": as we meant
+                    warnings.simplefilter("ignore")
+                    self._on_step()
+            except Exception:  # ours: the cell runs on
+                _log.debug("the profiler's step failed", exc_info=True)
+                self._on_step = None
+                return
+            if self.steps > self.full_steps + 1:
+                self._on_step = None
+                self._recording = False
 
     def _name(self, code: CodeType, lineno: int) -> str:
         key = (code.co_filename, lineno)
@@ -543,18 +625,30 @@ class LineTracer:
         if code.co_filename != self.cell_file and code not in self.codes:
             return None
         opened: list[Any] = []
-        enter, name_of = self._range, self._name
+        enter, name_of, innermost, hits = self._range, self._name, self._innermost, self.hits
+        top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
+        self._charge()
+        innermost.append(None)
 
         def local(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line":
+            if event == "line" and frame.f_lineno:  # not line 0: a one-expression cell
+                name = name_of(frame.f_code, frame.f_lineno)
+                self._charge()
+                innermost[-1] = name
+                hits[name] += 1
                 if opened:
                     opened.pop().__exit__(None, None, None)
-                if frame.f_lineno:  # not the line 0 of an empty body (a one-expression cell)
-                    span = enter(name_of(frame.f_code, frame.f_lineno))
+                if top:
+                    self._count(frame.f_lineno)
+                if self._recording:
+                    span = enter(name)
                     span.__enter__()
                     opened.append(span)
-            elif event == "return" and opened:
-                opened.pop().__exit__(None, None, None)
+            elif event == "return":
+                self._charge()
+                innermost.pop()
+                if opened:
+                    opened.pop().__exit__(None, None, None)
             return local
 
         return local
@@ -562,6 +656,7 @@ class LineTracer:
     def start(self) -> None:
         self._previous = sys.gettrace()
         self._previous_threads = threading.gettrace()
+        self._since = time.perf_counter_ns()
         sys.settrace(self._call)
         threading.settrace(self._thread)
 
@@ -581,6 +676,27 @@ class LineTracer:
     @property
     def threads_started(self) -> int:
         return len(self._started)
+
+
+def outer_loops(source: str) -> dict[int, range]:
+    """The cell's outer loops (`for`, `while` not inside another loop or a function): each
+    header's line and its body's lines. None where the code does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[int, range] = {}
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
+                found[child.lineno] = range(child.body[0].lineno,
+                                            (child.body[-1].end_lineno or child.lineno) + 1)
+            elif isinstance(child, ast.stmt) and not isinstance(
+                    child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                todo.append(child)
+    return found
 
 
 def _range_type() -> Callable[[str], Any]:
@@ -696,6 +812,10 @@ class ProfileReport:
     profiler: Any = None
     timeline: Any = None  # the --memory timeline
     sort: str = "self"
+    trace_bytes: int = 0
+    trace_temporary: bool = False  # the session's file, replaced by the next capture's
+    steps: int = 0  # the iterations of the cell's outer loop that began
+    full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
 
     @property
     def ops(self) -> list[OpRow]:
@@ -719,6 +839,9 @@ class ProfileReport:
             wall += (f", {self.wall_s / self.runs / self.plain_wall_s:.2f}x the plain run "
                      f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
         parts = [f"%%profile {self.label}: {runs}, {wall}"]
+        if self.full_steps:
+            parts.append(f"steps {self._recorded()} of {self.steps:,} in full (ops, memory, "
+                         "trace); lines timed over all")
         device = self.measurement.device if self.measurement is not None else None
         if a.device_recorded and a.device_busy_s is not None:
             share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
@@ -730,7 +853,9 @@ class ProfileReport:
             parts.append(plural(a.syncs, "synchronisation"))
         parts.append(plural(a.op_calls, "op call"))
         if self.trace_path is not None:
-            parts.append(f"trace {self.trace_path}")
+            said = [fmt_bytes(self.trace_bytes)] if self.trace_bytes >= LARGE_BYTES else []
+            said += ["until the next %%profile"] if self.trace_temporary else []
+            parts.append(f"trace {self.trace_path}" + (f" ({', '.join(said)})" if said else ""))
         return " | ".join(parts)
 
     def tables(self) -> list[Table]:
@@ -769,12 +894,19 @@ class ProfileReport:
                        fmt_seconds(r.device_s), device, [_bytes(r.allocated_bytes), _short(r.code)])
                 for r in a.lines]
         notes = []
+        if self.full_steps:
+            notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
+                         f"and allocated: steps {self._recorded()} (--steps 0 records all)")
         slowest = self.slowest_line()
         if slowest is not None and self.wall_s:
             notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
                          f"the wall: {_short(slowest.code)}")
         return Table("by line (each event goes to the innermost line of the cell running)",
                      head, rows, notes)
+
+    def _recorded(self) -> str:
+        last = min(self.full_steps + 1, self.steps)
+        return "2" if last == 2 else f"2–{last:,}"
 
     def slowest_line(self) -> LineRow | None:
         return max(self.lines, key=lambda r: r.wall_s, default=None)
@@ -823,6 +955,8 @@ class Capture:
     plain_wall_s: float | None = None  # a plain run of the same code, where one is known
     plain_from: str | None = None  # where that figure comes from; without one, why none
     source: str = ""  # the cell's code, for the memory timeline's labels
+    loops: dict[int, range] = field(default_factory=dict)  # outer_loops(the cell's code)
+    traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -845,8 +979,16 @@ class Capture:
                                        "been this code's first run (--warmup 2 compares)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
         heard: list[str] = []
-        prof = _profiler(cuda, opts.threads)
-        tracer = LineTracer(self.cell_file, self.label, self.functions) if opts.lines else None
+        steps = opts.steps if opts.lines and self.loops else 0
+        prof = _profiler(cuda, steps, opts.threads)
+
+        def step() -> None:  # the tracer's, as a step of the loop begins: torch's own doing
+            with ctrl_c.hold(), recording.stepping():
+                prof.step()
+
+        tracer = LineTracer(
+            self.cell_file, self.label, self.functions, self.loops, steps, step
+        ) if opts.lines else None
         meter = Meter(sync=True)
         value = measured = recorder = None
         # Ctrl-C ends the cell's run only: starting and stopping the profiler (and the
@@ -882,6 +1024,8 @@ class Capture:
                                                   partial=err))
                 except Exception:  # ours: the cell's own error is the one to see
                     _log.debug("the partial profile could not be made", exc_info=True)
+                # the traceback keeps this frame, not the record
+                prof = tracer = recorder = recording = None  # type: ignore[assignment]
                 raise
             ended = recording.stop()
             meter.close()
@@ -906,6 +1050,9 @@ class Capture:
         in_use = cuda or (measured is not None and measured.device is not None)
         analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
                            device_in_use=in_use)
+        windowed = tracer is not None and tracer.windowed
+        if tracer is not None and windowed:
+            analysis.lines = tracer.rows(analysis.lines)
         notes = _device_notes(analysis, events, heard, cuda)
         if not cuda and runtime_up("cuda"):
             notes.append("CUDA started in this cell, after recording began: its device "
@@ -917,7 +1064,7 @@ class Capture:
             notes.append(self.plain_from)
         wall = measured.wall_s if measured is not None else max(
             (e.end_ns for e in events), default=0) / 1e9
-        trace = self._write_trace(prof, notes)
+        trace, trace_bytes = self._write_trace(prof, notes)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -929,6 +1076,9 @@ class Capture:
             plain_from=self.plain_from if self.plain_wall_s else None, partial=why,
             notes=notes, profiler=prof, sort=opts.sort,
             timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
+            trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
+            steps=tracer.steps if tracer is not None else 0,
+            full_steps=opts.steps if windowed else 0,
         )
 
     def _timeline(self, prof: Any, recorder: Any, notes: list[str]) -> Any:
@@ -945,28 +1095,27 @@ class Capture:
             notes.append(f"the memory timeline could not be drawn: {first_sentence(err, True)}")
             return None
         return timeline
-    def _write_trace(self, prof: Any, notes: list[str]) -> str | None:
-        """Write the trace; kineto says a failure only on stderr, so the file is opened
-        here first, and kineto's lines are caught like its others."""
+    def _write_trace(self, prof: Any, notes: list[str]) -> tuple[str | None, int]:
+        """Write the trace: the path and its size. kineto says a failure only on stderr, so
+        the file is opened here first, and kineto's lines are caught like its others. An
+        unnamed trace goes to the session's one kept file (`traces`)."""
         path = self.options.trace
         try:
-            if path is None:
-                fd, path = tempfile.mkstemp(
-                    prefix=f"tdm-profile-{self.label.replace('[', '').replace(']', '')}-",
-                    suffix=".json")
-                os.close(fd)
-            path = os.path.expanduser(path)
+            path = self.traces.new(self.label) if path is None else os.path.expanduser(path)
             with open(path, "w"):
                 pass
             with quiet_stderr([]):
                 prof.export_chrome_trace(path)
-            if not os.path.getsize(path):
+            size = os.path.getsize(path)
+            if not size:
                 raise OSError("kineto wrote nothing")
         except (OSError, RuntimeError) as err:
+            if self.options.trace is None:
+                self.traces.clear()
             why = getattr(err, "strerror", None) or err
             notes.append(f"the trace could not be written to {path}: {why}")
-            return None
-        return path
+            return None, 0
+        return path, size
 
 
 def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool) -> list[str]:
@@ -1021,14 +1170,34 @@ def _sync() -> None:
         accel.synchronize()
 
 
-def _profiler(cuda: bool, threads: bool = False) -> Any:
+def _profiler(cuda: bool, steps: int = 0, threads: bool = False) -> Any:
     """torch's profiler, recording CUDA only where asked, and every thread of the process
-    with `threads` (else the cell's own thread, and autograd's for its backward)."""
-    from torch.profiler import ProfilerActivity, profile
+    with `threads` (else the cell's own thread, and autograd's for its backward).
+
+    With `steps`, its `step()` is called as each step of the cell's outer loop begins
+    (by the line tracer), and its schedule records the cell up to the loop's 2nd step
+    (all of it, where the loop has one step or none); from there on, afresh, the steps
+    2 to `steps + 1`, which leaves the first step's one-time costs out; then nothing."""
+    from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+    def schedule(step: int) -> ProfilerAction:  # step n: the loop's (n + 1)-th
+        return (ProfilerAction.RECORD_AND_SAVE if step in (0, steps)
+                else ProfilerAction.RECORD if step < steps
+                else ProfilerAction.NONE)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     extra = {"experimental_config": _ALL_THREADS} if threads else {}
-    return profile(activities=activities, record_shapes=True, profile_memory=True, **extra)
+    prof = profile(activities=activities, record_shapes=True, profile_memory=True,
+                   schedule=schedule if steps else None, **extra)
+    prof.record_steps = False  # its ProfilerStep ranges would be rows of the op table
+    return prof
+
+
+def _release(prof: Any) -> None:
+    """Break torch.profiler.profile's reference cycle (its `action_map` holds its own bound
+    methods), so that kineto's record goes with the last reference to the profiler (the
+    report's, with -o) instead of waiting for a full garbage collection."""
+    prof.action_map = {}
 
 
 def _all_threads_config() -> Any:
@@ -1068,6 +1237,7 @@ class _Recording:
         self.real: dict[str, Any] = {}
         self.spare: list[torch.Tensor] = []
         self.flagged = True
+        self.own = False  # our schedule's step is preparing, starting or stopping a session
 
     def start(self) -> None:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
@@ -1100,6 +1270,8 @@ class _Recording:
 
     def _watched(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def entry(*args: Any, **kwargs: Any) -> Any:
+            if self.own:
+                return real(*args, **kwargs)
             if self.pause is not None and not self.paused and threading.get_ident() == self.thread:
                 self.pause()
                 self.paused = True
@@ -1108,6 +1280,17 @@ class _Recording:
 
         return entry
 
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Our schedule's step (a session ended and another begun, or the last one ended,
+        mid-cell): neither another profiler's, nor heard by the user."""
+        self.own = True
+        try:
+            with quiet_stderr(self.heard):
+                yield
+        finally:
+            self.own = False
+
     def stop(self) -> str | None:
         """Stop recording; None, or the sentence that says why there is nothing to read."""
         module = torch.autograd.profiler
@@ -1115,7 +1298,9 @@ class _Recording:
             setattr(module, name, real)
         self.real.clear()
         try:
-            on = torch.autograd._profiler_enabled() or not self.flagged
+            # off: as the start left it (--threads), or our schedule ended it (its window done)
+            on = (torch.autograd._profiler_enabled() or not self.flagged
+                  or getattr(self.prof, "current_action", None) == _SCHEDULE_DONE)
             if self.other or not on:
                 if not on:  # ended, by the cell's profiler or by torch: its flag too
                     module._is_profiler_enabled = False
@@ -1126,9 +1311,11 @@ class _Recording:
                 self.prof.stop()
             return None
         finally:
+            _release(self.prof)
             self.spare.clear()  # freed once nothing records: they count no more
 
 
+_SCHEDULE_DONE = torch.profiler.ProfilerAction.NONE  # _profiler's schedule, past its window
 _WARN_EVERY = 1000  # torch's CPU allocator warns once per this many frees it cannot size
 
 
@@ -1161,6 +1348,19 @@ class _CtrlC:
         self.through = False  # what its KeyboardInterrupt unwinds is not cut in turn
         self.handler(signum, frame)
         self.through = True  # a handler of the user's own that did not raise
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Ctrl-C waits for the block, also inside `let_through` (a press held then comes
+        at its end)."""
+        through, self.through = self.through, False
+        try:
+            yield
+        finally:
+            self.through = through
+            if through and self.held:
+                self.held -= 1
+                self.on_sigint(signal.SIGINT, None)
 
     @contextlib.contextmanager
     def let_through(self) -> Iterator[None]:

@@ -1,0 +1,233 @@
+"""%%profile's cost in memory and disk: nothing of a capture outlives the cell unless -o
+asked for it, unnamed traces do not pile up, and a long loop is recorded in full only
+for its first steps while its lines are timed over all of them."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import weakref
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic import profiling
+from torch_device_magic.profiling import ProfileReport, analyse
+
+LOOP = ("w = torch.ones(8, 8)\n"
+        "for i in range({n}):\n    y = (w @ w).relu()\n    z = y.sum()\ndone = i")
+
+
+
+@pytest.fixture
+def profilers(monkeypatch):
+    """Weak references to each torch profiler %%profile makes, and to its record."""
+    made: list[weakref.ref] = []
+    real = profiling._profiler
+
+    def spy(*args, **kwargs):
+        prof = real(*args, **kwargs)
+        made.append(weakref.ref(prof))
+        return prof
+
+    monkeypatch.setattr(profiling, "_profiler", spy)
+    return made
+
+
+@pytest.fixture
+def no_gc(ip):
+    """No garbage collection runs: what is freed is freed by reference counting.
+
+    A first capture runs before: torch's first profile imports inductor, whose import
+    leaves cycles through the frames below it for the collector to free."""
+    ip.run_cell("%%profile\nx = 1")
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.fixture
+def temp_dir(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def traces_in(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("tdm-profile-*"))
+
+
+def test_nothing_of_the_capture_outlives_the_cell_without_a_garbage_collection(
+    ip, profilers, no_gc
+):
+    ip.run_cell("%%profile\ny = torch.ones(3) + 1")
+    assert profilers and profilers[-1]() is None  # torch's profiler, and with it kineto's record
+
+
+def test_a_cell_that_raises_keeps_its_traceback_but_not_the_capture(ip, profilers, no_gc):
+    with pytest.raises(ZeroDivisionError):
+        ip.run_cell("%%profile\ny = torch.ones(3) + 1\n1 / 0")
+    assert profilers[-1]() is None
+
+
+def test_with_o_the_report_holds_the_profiler_until_it_goes(ip, profilers, no_gc):
+    ip.run_cell("report = get_ipython().run_cell_magic('profile', '-o', 'y = torch.ones(3) + 1')")
+    assert profilers[-1]() is ip.user_ns["report"].profiler  # for key_averages()
+    del ip.user_ns["report"]
+    assert profilers[-1]() is None
+
+
+def test_only_the_last_unnamed_trace_is_kept_and_unload_deletes_it(ip, temp_dir, capsys):
+    named = temp_dir / "mine.json"
+    ip.run_cell(f"%%profile --trace {named}\ny = torch.ones(3) + 1")
+    paths = []
+    for _ in range(3):
+        paths.append(profile_o(ip, "y = torch.ones(3) + 1").trace_path)
+        assert traces_in(temp_dir) == [os.path.basename(paths[-1])]
+    assert len(set(paths)) == 3
+    ip.run_cell("%%profile\ny = torch.ones(3) + 1")
+    assert "(until the next %%profile)" in capsys.readouterr().out
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert traces_in(temp_dir) == [] and named.exists()  # the user's own file stays
+
+
+def test_no_unnamed_trace_is_left_after_the_interpreter_exits(tmp_path):
+    script = textwrap.dedent("""
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+        config = Config()
+        config.HistoryManager.hist_file = ":memory:"
+        ip = InteractiveShell.instance(config=config)
+        ip.run_cell("%load_ext torch_device_magic")
+        for _ in range(2):
+            ip.run_cell("%%profile\\nimport torch\\ny = torch.ones(3) + 1").raise_error()
+        import glob, tempfile
+        print(len(glob.glob(tempfile.gettempdir() + "/tdm-profile-*")))
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.path.dirname(os.path.dirname(profiling.__file__))}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "1"  # while it ran: the last one
+    assert traces_in(tmp_path) == []
+
+
+def profile_o(ip, cell: str, line: str = "") -> ProfileReport:
+    return ip.run_cell(f"%%profile -o {line}\n{cell}").result
+
+
+def test_a_long_loop_is_recorded_up_to_a_bound_and_its_lines_timed_over_every_step(ip):
+    short, long = (profile_o(ip, LOOP.format(n=n)) for n in (200, 2000))
+    assert short.analysis.op_calls == long.analysis.op_calls > 0  # bounded, not per step
+    assert 0 < long.trace_bytes < 1.5 * short.trace_bytes  # the last one only is kept
+    for report, n in ((short, 200), (long, 2000)):
+        assert (report.steps, report.full_steps) == (n, 5)
+        assert next(r for r in report.lines if r.code == "y = (w @ w).relu()").hits == n
+        assert next(r for r in report.lines if r.code == "done = i").hits == 1  # after the loop
+        assert sum(r.wall_s for r in report.lines) <= report.wall_s
+        assert f"steps 2–6 of {n:,} in full" in report.overview()
+    assert next(r for r in long.ops if r.name == "aten::mm").calls == 5  # steps 2 to 6
+    assert not any(r.name == "aten::ones" for r in long.ops)  # before the loop: not recorded
+    assert ip.user_ns["done"] == 1999
+
+
+def test_steps_sets_the_bound_and_0_records_every_step(ip):
+    assert next(r for r in profile_o(ip, LOOP.format(n=50), "--steps 2").ops
+                if r.name == "aten::mm").calls == 2
+    every = profile_o(ip, LOOP.format(n=50), "--steps 0")
+    assert next(r for r in every.ops if r.name == "aten::mm").calls == 50
+    assert every.full_steps == 0 and "in full" not in every.overview()
+
+
+def test_a_loop_of_one_step_is_recorded_in_full_and_a_short_one_from_its_second(ip):
+    one = profile_o(ip, LOOP.format(n=1))
+    assert next(r for r in one.ops if r.name == "aten::mm").calls == 1
+    assert any(r.name == "aten::ones" for r in one.ops)  # the code before the loop too
+    assert one.full_steps == 0 and "in full" not in str(one)
+    three = profile_o(ip, LOOP.format(n=3))
+    assert next(r for r in three.ops if r.name == "aten::mm").calls == 2
+    assert "steps 2–3 of 3 in full" in three.overview()
+
+
+def test_a_negative_steps_is_one_usage_error_and_runs_nothing(ip):
+    with pytest.raises(UsageError, match="--steps needs 1 or more"):
+        ip.run_cell("%%profile --steps -1\nran = 1")
+    assert "ran" not in ip.user_ns
+
+
+def test_the_outer_loops_are_found_outside_functions_and_other_loops():
+    source = textwrap.dedent("""\
+        x = 1
+        for i in range(3):
+            for j in range(2):
+                pass
+            y = i
+        if x:
+            while x < 3:
+                x += 1
+        def f():
+            for k in range(2):
+                pass
+        with open(__file__) as fh:
+            for line in fh:
+                pass
+    """)
+    assert profiling.outer_loops(source) == {2: range(3, 6), 7: range(8, 9), 13: range(14, 15)}
+    assert profiling.outer_loops("%time x = 1") == {}  # not Python: recorded in full
+
+
+def test_a_large_trace_has_its_size_in_the_overview():
+    report = ProfileReport("In[1]", 1, 1.0, None, analyse([]), "/tmp/t.json",
+                           trace_bytes=300 * 2**20, trace_temporary=True)
+    assert "trace /tmp/t.json (300.0 MiB, until the next %%profile)" in report.overview()
+    report.trace_bytes, report.trace_temporary = 2**20, False
+    assert report.overview().endswith("trace /tmp/t.json")
+
+
+def test_a_forked_child_that_exits_leaves_the_kept_trace(ip, temp_dir):
+    path = profile_o(ip, "y = torch.ones(3) + 1").trace_path
+    traces = ip.magics_manager.registry["TorchDeviceMagics"].traces
+    child = os.fork()
+    if child == 0:  # what the child's exit would run of ours (sys.exit in an os.fork child)
+        try:
+            traces._exit()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert os.path.exists(path)
+    traces._exit()  # the session's own exit
+    assert not os.path.exists(path)
+
+
+def test_a_loop_that_raises_after_its_recorded_steps_shows_them_and_stops_cleanly(ip, capsys):
+    ip.run_cell("w = torch.ones(8, 8)")
+    with pytest.raises(ValueError, match="step 40"):
+        ip.run_cell("%%profile\nfor i in range(50):\n    y = (w @ w).relu()\n"
+                    "    if i == 40:\n        raise ValueError('step 40')")
+    out = capsys.readouterr().out
+    assert "PARTIAL: the cell raised ValueError" in out
+    assert "steps 2–6 of 41 in full" in out
+    assert not torch.autograd.profiler._is_profiler_enabled and sys.gettrace() is None
+    assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works
+
+
+def test_memory_draws_the_recorded_steps_of_a_long_loop(ip):
+    report = profile_o(ip, LOOP.format(n=50), "--memory")
+    assert report.full_steps == 5 and report.timeline is not None
+    assert not any("could not" in note for note in report.notes)
+
+
+def test_an_unnamed_trace_that_cannot_be_written_leaves_no_file(ip, temp_dir, monkeypatch):
+    def refuse(self, path, *args, **kwargs):
+        raise RuntimeError("kineto refused")
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", refuse)
+    report = profile_o(ip, "made = torch.ones(2)")
+    assert report.trace_path is None and "kineto refused" in str(report)
+    assert traces_in(temp_dir) == [] and "made" in ip.user_ns

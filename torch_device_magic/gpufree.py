@@ -11,7 +11,9 @@ never used one, this collects garbage and says so, and creates no CUDA context.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +28,9 @@ from .probes import (
 )
 from .units import fmt_bytes, plural
 
+if TYPE_CHECKING:  # holders reads the accelerators from here
+    from .holders import Holder
+
 
 @dataclass
 class FreeReport:
@@ -34,6 +39,7 @@ class FreeReport:
     collected: int
     before: dict[str, Counters]
     after: dict[str, Counters]
+    released: list[Holder] = field(default_factory=list)  # let go of before collecting
 
     @property
     def released_bytes(self) -> int:
@@ -42,6 +48,9 @@ class FreeReport:
 
     def __str__(self) -> str:
         done = f"garbage collected ({plural(self.collected, 'object')})"
+        if self.released:
+            let_go = ", ".join(f"{h.name} {fmt_bytes(h.total)}" for h in self.released)
+            done = f"released {let_go}; {done}"
         if not self.before:
             return f"{done}; no accelerator in use, so no allocator cache to empty"
         parts = [done]
@@ -61,17 +70,20 @@ def _less(before: Counters, after: Counters) -> int | None:
     return before.reserved_bytes - after.reserved_bytes
 
 
-def free_memory() -> FreeReport:
+def free_memory(let_go: Callable[[], list[Holder]] = list) -> FreeReport:
     """Run `gc.collect()`, then empty the cache of every accelerator already in use (and,
-    on CUDA, release the memory of tensors shared with other processes that are gone)."""
+    on CUDA, release the memory of tensors shared with other processes that are gone);
+    first `let_go()` drops what it can (`holders.release`) and says what."""
     accelerators = accelerators_in_use()
     before = {a.name: a.counters() for a in accelerators}
+    released = let_go()
     collected = gc.collect()
     for kind in dict.fromkeys(a.kind for a in accelerators):
         empty_cache(torch.device(kind))
         if kind == "cuda":
             guarded(torch.cuda.ipc_collect)
-    return FreeReport(collected, before, {a.name: a.counters() for a in accelerators})
+    after = {a.name: a.counters() for a in accelerators}
+    return FreeReport(collected, before, after, released)
 
 
 def accelerators_in_use() -> list[Accelerator]:

@@ -1,0 +1,198 @@
+"""Who holds tensors that no name holds: `%tensors --hidden`, the traceback hint, `%gpufree`."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic import holders
+
+MIB = 2**20
+
+
+def cell(ip, source):
+    return ip.run_cell(source, store_history=True)
+
+
+def hidden(ip):
+    return {h.name: h for h in ip.run_line_magic("tensors", "--hidden -o")}
+
+
+def fail(ip, source, error=ValueError):
+    with pytest.raises(error):
+        cell(ip, source)
+
+
+@pytest.fixture(autouse=True)
+def _no_last_traceback():
+    """Each test starts without an earlier test's last traceback."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+
+
+# --- %tensors --hidden ------------------------------------------------------------
+
+
+def test_a_displayed_result_holds_what_del_let_go(ip):
+    cell(ip, "big = torch.ones(MIB)".replace("MIB", str(MIB)))
+    shown = cell(ip, "big").execution_count
+    cell(ip, "del big")
+    found = hidden(ip)
+    assert list(found) == [f"Out[{shown}]"]  # `_` and `_N` are the same tensor: counted once
+    assert found[f"Out[{shown}]"].nbytes == {"cpu": 4 * MIB}
+
+
+def test_a_result_a_name_still_holds_is_not_hidden(ip):
+    cell(ip, "a = torch.ones(1000)")
+    cell(ip, "a")
+    cell(ip, "a[:10]")  # a view: its storage is a's
+    assert hidden(ip) == {}
+
+
+def test_a_stored_loss_keeps_its_graph_until_backward(ip):
+    cell(ip, "x = torch.randn(512, 512, requires_grad=True)\nloss = x.exp().sum()")
+    graph = hidden(ip)["loss's autograd graph"]
+    assert graph.nbytes == {"cpu": 512 * 512 * 4}  # exp saved its result; x is the user's
+    assert graph.fix == "del loss, or keep loss.detach()"
+    cell(ip, "loss.backward()")
+    assert hidden(ip) == {}  # backward freed the saved tensors
+
+
+def test_optimizer_state_is_listed(ip):
+    cell(ip, "model = torch.nn.Linear(256, 256)\nopt = torch.optim.Adam(model.parameters())\n"
+             "model(torch.ones(4, 256)).sum().backward()\nopt.step()")
+    state = hidden(ip)["opt's state"]
+    assert state.nbytes == {"cpu": 2 * (256 * 256 + 256) * 4}  # exp_avg and exp_avg_sq
+
+
+def test_the_last_traceback_is_listed_and_the_table_shows(ip, capsys):
+    cell(ip, "def f():\n    activations = torch.ones(MIB)\n    raise ValueError('boom')"
+         .replace("MIB", str(MIB)))
+    fail(ip, "f()")
+    assert hidden(ip)["the last traceback"].nbytes == {"cpu": 4 * MIB}
+    capsys.readouterr()
+    ip.run_line_magic("tensors", "--hidden")
+    out = capsys.readouterr().out
+    assert "held where no name shows it" in out
+    assert "the last traceback  4.0 MiB on cpu  %gpufree" in out
+
+
+def test_nothing_hidden_says_so(ip, capsys):
+    cell(ip, "x = torch.ones(10)")
+    capsys.readouterr()
+    ip.run_line_magic("tensors", "--hidden")
+    assert capsys.readouterr().out.strip() == "held where no name shows it: nothing"
+
+
+def test_on_an_accelerator_it_says_what_stays_unaccounted():
+    report = holders.hidden({"x": torch.ones(10)}, counters={"cuda:0": 2**30, "mps:0": None})
+    assert report.reconciled == [
+        "cuda:0: the allocator holds 1.0 GiB in tensors; names and the holders above account "
+        "for 0 B, 1.0 GiB unaccounted (tensors reached only through closures, modules' "
+        "globals or C++ code)"
+    ]
+
+
+def test_filters_with_hidden_are_a_usage_error(ip):
+    with pytest.raises(UsageError, match="--hidden takes no filter"):
+        ip.run_line_magic("tensors", "--hidden --device cpu")
+
+
+# --- the hint after a failing cell ------------------------------------------------
+
+
+def big_local(ip, error="ValueError('boom')"):
+    cell(ip, f"def f():\n    act = torch.empty(2**25)\n    raise {error}")  # 128 MiB
+
+
+def test_a_failing_cell_whose_traceback_keeps_tensors_gets_a_hint(ip, capsys):
+    big_local(ip)
+    fail(ip, "f()")
+    out = capsys.readouterr().out
+    assert (
+        "Hint (torch_device_magic): the last traceback keeps tensors alive in its frames' "
+        "locals (128.0 MiB on cpu): %gpufree gives it back." in out
+    )
+
+
+def test_an_interrupted_cell_gets_it_too(ip, capsys):
+    big_local(ip, "KeyboardInterrupt")
+    fail(ip, "f()", KeyboardInterrupt)
+    assert "the last traceback keeps tensors alive" in capsys.readouterr().out
+
+
+def test_small_locals_and_the_users_own_tensors_get_no_hint(ip, capsys):
+    cell(ip, "big = torch.empty(2**25)\ndef g(t):\n    small = torch.ones(10)\n"
+             "    raise ValueError('boom')")
+    fail(ip, "g(big)")  # its local t is the user's big: the traceback keeps nothing more
+    assert "Hint" not in capsys.readouterr().out
+
+
+def test_no_hint_with_hints_off(ip, capsys):
+    ip.run_line_magic("config", "TorchDeviceMagics.hints = False")
+    big_local(ip)
+    fail(ip, "f()")
+    assert "Hint" not in capsys.readouterr().out
+
+
+# --- %gpufree ---------------------------------------------------------------------
+
+
+def test_gpufree_releases_a_displayed_result_and_says_so(ip, capsys):
+    cell(ip, "big = torch.ones(MIB)\nref = __import__('weakref').ref(big)".replace("MIB", str(MIB)))
+    shown = cell(ip, "big").execution_count
+    cell(ip, "kept = torch.ones(10)")
+    kept_at = cell(ip, "kept").execution_count
+    cell(ip, "del big")
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    out = capsys.readouterr().out
+    assert out.startswith(f"released Out[{shown}] 4.0 MiB; garbage collected (")
+    assert ip.user_ns["ref"]() is None
+    assert shown not in ip.user_ns["Out"] and f"_{shown}" not in ip.user_ns
+    assert ip.user_ns["Out"][kept_at] is ip.user_ns["kept"]  # a name holds it: it stays
+    assert ip.user_ns["_"] is ip.user_ns["kept"]
+
+
+def test_gpufree_releases_the_last_traceback(ip, capsys):
+    cell(ip, "import weakref\nrefs = []\ndef f():\n    act = torch.ones(MIB)\n"
+             "    refs.append(weakref.ref(act))\n    raise ValueError('boom')"
+         .replace("MIB", str(MIB)))
+    fail(ip, "f()")
+    assert ip.user_ns["refs"][0]() is not None
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.startswith("released the last traceback 4.0 MiB; ")
+    assert ip.user_ns["refs"][0]() is None
+
+
+def test_gpufree_leaves_the_users_graphs_and_state(ip):
+    cell(ip, "x = torch.randn(64, 64, requires_grad=True)\nloss = x.exp().sum()")
+    ip.run_line_magic("gpufree", "")
+    assert "loss's autograd graph" in hidden(ip)
+    cell(ip, "loss.backward()")
+    assert ip.user_ns["x"].grad is not None
+
+
+def test_graph_walk_reads_a_custom_functions_saved_tensors():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t * 1)
+            return t * t
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            return 2 * t * grad
+
+    x = torch.ones(100, requires_grad=True)
+    y = Square.apply(x)
+    saved = list(holders.graph_tensors([y]))
+    assert [t.shape for t in saved] == [torch.Size([100])]
+    assert weakref.ref(saved[0])() is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 
@@ -196,3 +197,45 @@ def test_graph_walk_reads_a_custom_functions_saved_tensors():
     saved = list(holders.graph_tensors([y]))
     assert [t.shape for t in saved] == [torch.Size([100])]
     assert weakref.ref(saved[0])() is not None
+
+
+# --- other processes on the GPU -----------------------------------------------------
+
+
+def device_lines(ip, capsys):
+    capsys.readouterr()
+    ip.run_line_magic("device", "")
+    return [line.strip() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_device_names_other_processes_on_each_gpu_and_not_this_one(ip, monkeypatch, capsys):
+    from fakegpu import GIB, FakeMachine, Gpu
+
+    me = os.getpid()
+    FakeMachine([Gpu(processes={4242: 8 * GIB, me: GIB, 77: GIB // 2, 78: None}),
+                 Gpu(processes={me: GIB})]).install(monkeypatch)
+    lines = device_lines(ip, capsys)
+    assert ("cuda:0: other processes hold 8.5 GiB (pid 4242 8.0 GiB, pid 77 512.0 MiB); "
+            "an old kernel of yours? shut it down to get it back") in lines
+    assert not any(line.startswith("cuda:1: other processes") for line in lines)
+
+
+def test_device_says_nothing_of_processes_when_there_are_none(ip, monkeypatch, capsys):
+    from fakegpu import FakeMachine, Gpu
+
+    FakeMachine([Gpu(processes={os.getpid(): 2**30})]).install(monkeypatch)
+    assert not any("other processes" in line for line in device_lines(ip, capsys))
+
+
+def test_out_of_memory_hint_names_other_processes_on_that_gpu(ip, monkeypatch, capsys):
+    from fakegpu import GIB, FakeMachine, Gpu
+
+    machine = FakeMachine([Gpu(processes={4242: 3 * GIB}),
+                           Gpu(processes={4243: 70 * GIB})]).install(monkeypatch)
+    machine.start_cuda(1)
+    fail(ip, "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. "
+             "GPU 1 has a total capacity of 79.15 GiB of which 1.50 GiB is free.')",
+         torch.OutOfMemoryError)
+    out = capsys.readouterr().out
+    assert "  cuda:1: other processes hold 70.0 GiB (pid 4243 70.0 GiB); " in out
+    assert "pid 4242" not in out

@@ -29,6 +29,7 @@ import traceback
 import torch
 
 from .cells import reach
+from .devices import cuda_other_processes, others_note
 from .namespace import TensorRow, scan
 from .probes import free_and_total, torch_default_device
 from .units import fmt_bytes
@@ -132,6 +133,10 @@ def _out_of_memory(error: BaseException, namespace: dict[str, object]) -> str:
     if rows:
         largest = ", ".join(f"{r.name} {fmt_bytes(r.nbytes)} ({r.device})" for r in rows[:3])
         lines.append(f"  Largest in the namespace: {largest} (see %tensors)")
+    index = _oom_gpu(str(error))
+    others = () if index is None else cuda_other_processes(index)
+    if others:
+        lines.append(f"  {others_note(f'cuda:{index}', others)}.")
     lines += [
         "  To get memory back: del what you no longer need, then %gpufree.",
         "  Smaller batches, %%nograd for inference, or half precision need less.",
@@ -160,9 +165,15 @@ def release_frames(error: BaseException) -> None:
 
 def _free_and_total(message: str) -> tuple[int, int] | None:
     """Free and total bytes of the GPU that ran out, if its runtime is up (never started here)."""
-    match = re.search(r"GPU (\d+) has a total capacity", message)
-    device = torch.device("cuda", int(match.group(1))) if match else torch.device("cuda")
+    index = _oom_gpu(message)
+    device = torch.device("cuda") if index is None else torch.device("cuda", index)
     return free_and_total(device)  # None for a broken context: the hint goes on without it
+
+
+def _oom_gpu(message: str) -> int | None:
+    """The index of the CUDA GPU a CUDA out-of-memory message names, or None."""
+    match = re.search(r"GPU (\d+) has a total capacity", message)
+    return int(match.group(1)) if match else None
 
 
 def _on_accelerator(row: TensorRow) -> bool:

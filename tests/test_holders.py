@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 import torch
@@ -239,3 +240,66 @@ def test_out_of_memory_hint_names_other_processes_on_that_gpu(ip, monkeypatch, c
     out = capsys.readouterr().out
     assert "  cuda:1: other processes hold 70.0 GiB (pid 4243 70.0 GiB); " in out
     assert "pid 4242" not in out
+
+
+# --- hints: workers that cannot unpickle a notebook class, a fork after intra-op threads -----
+
+
+def test_a_spawned_worker_that_cannot_find_a_notebook_function_gets_a_hint(ip, capsys):
+    cell(ip, "import concurrent.futures, multiprocessing\ndef square(v):\n    return v * v")
+    fail(ip, "with concurrent.futures.ProcessPoolExecutor(1, mp_context="
+             "multiprocessing.get_context('spawn')) as pool:\n    list(pool.map(square, [3]))",
+         BrokenProcessPool)  # the worker's AttributeError goes to its stderr only
+    out = capsys.readouterr().out
+    assert ("Hint (torch_device_magic): worker processes started with spawn or forkserver "
+            "import the notebook's __main__ afresh and cannot find square, defined in a "
+            "cell, to unpickle.") in out
+    assert "Fix: move it into a .py file next to the notebook" in out
+
+
+def test_other_attribute_errors_get_no_hint(ip, capsys):
+    fail(ip, "torch.nothing_here", AttributeError)
+    assert "Hint" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_spawned_dataloader_worker_that_dies_on_a_notebook_dataset_gets_a_hint(ip, capsys):
+    cell(ip, "class Squares(torch.utils.data.Dataset):\n"
+             "    def __len__(self):\n        return 4\n"
+             "    def __getitem__(self, i):\n        return i * i\n"
+             "loader = torch.utils.data.DataLoader(Squares(), num_workers=1, "
+             "multiprocessing_context='spawn')")
+    fail(ip, "next(iter(loader))", RuntimeError)
+    out = capsys.readouterr().out
+    assert "cannot find Squares, defined in a cell, to unpickle" in out
+
+
+def interrupt_join(ip, context):
+    cell(ip, f"import multiprocessing, os, signal, threading, time\n"
+             f"child = multiprocessing.get_context({context!r}).Process(target=time.sleep, "
+             f"args=(60,))\nchild.start()")
+    try:
+        fail(ip, "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+                 "child.join()", KeyboardInterrupt)
+    finally:
+        ip.user_ns["child"].kill()
+        ip.user_ns["child"].join()
+
+
+def test_ctrl_c_while_joining_a_forked_child_suggests_one_thread_or_spawn(ip, capsys):
+    torch.set_num_threads(2)
+    interrupt_join(ip, "fork")
+    out = capsys.readouterr().out
+    assert "Hint (torch_device_magic): interrupted while waiting on a forked process (pid " in out
+    assert "torch.set_num_threads(1) first thing in the child" in out
+
+
+@pytest.mark.parametrize("context, threads", [("spawn", 2), ("fork", 1)])
+def test_no_fork_hint_for_a_spawned_child_or_one_thread(ip, capsys, context, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        interrupt_join(ip, context)
+    finally:
+        torch.set_num_threads(before)
+    assert "Hint" not in capsys.readouterr().out

@@ -303,3 +303,16 @@ def test_no_fork_hint_for_a_spawned_child_or_one_thread(ip, capsys, context, thr
     finally:
         torch.set_num_threads(before)
     assert "Hint" not in capsys.readouterr().out
+
+
+def test_device_says_bf16_is_emulated_below_compute_capability_8(ip, monkeypatch, capsys):
+    from fakegpu import FakeMachine, Gpu
+
+    FakeMachine([Gpu("Tesla T4", capability=(7, 5))]).install(monkeypatch)
+    lines = device_lines(ip, capsys)
+    assert ("cuda:0: compute capability 7.5 has no native bfloat16; "
+            "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: "
+            "use float16 with torch.amp.GradScaler") in lines
+    monkeypatch.undo()
+    FakeMachine([Gpu()]).install(monkeypatch)  # an A100: 8.0
+    assert not any("bfloat16" in line for line in device_lines(ip, capsys))

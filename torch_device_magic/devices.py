@@ -47,6 +47,7 @@ class DeviceInfo:
     utilization_pct: int | None = None
     problem: str | None = None  # why torch cannot use it (auto skips it); None: usable
     others: tuple[tuple[int, int], ...] = ()  # other processes on it: (host pid, bytes)
+    capability: tuple[int, int] | None = None  # a CUDA GPU's compute capability
 
     @property
     def type(self) -> str:
@@ -224,7 +225,7 @@ def nvml_gpus() -> tuple[list[DeviceInfo], str]:
         gpus.append(DeviceInfo(
             f"cuda:{i}" if known else UNKNOWN_ORDER, d.name or "unknown GPU",
             d.total_bytes, d.free_bytes, d.utilization_pct, problem,
-            other_processes(processes.get(_bare(d.uuid or ""), {})),
+            other_processes(processes.get(_bare(d.uuid or ""), {})), d.capability,
         ))
     return gpus, "" if gpus else "NVML sees no GPU visible to this process"
 
@@ -242,6 +243,16 @@ def others_note(device: str, others: tuple[tuple[int, int], ...]) -> str:
     return (
         f"{device}: other processes hold {fmt_bytes(sum(n for _, n in others))} "
         f"({listed}{more}); an old kernel of yours? shut it down to get it back"
+    )
+
+
+def _bf16_note(d: DeviceInfo) -> str:
+    """bfloat16 is native from compute capability 8.0 (Ampere) on; below, torch emulates it."""
+    assert d.capability is not None
+    return (
+        f"{d.device}: compute capability {d.capability[0]}.{d.capability[1]} has no native "
+        "bfloat16; torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and "
+        "slow there: use float16 with torch.amp.GradScaler"
     )
 
 
@@ -377,6 +388,8 @@ def device_table(
             "(CUDA_DEVICE_ORDER=PCI_BUS_ID makes them agree)"
         )
     notes += [others_note(d.device, d.others) for d in inventory.devices if d.others]
+    notes += [_bf16_note(d) for d in inventory.devices
+              if d.problem is None and d.capability is not None and d.capability < (8, 0)]
     if cuda_start is not None:
         notes.append(cuda_start)
     return Table(title, ["", "device", "name", "memory used / total", "util"], rows, notes)

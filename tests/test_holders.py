@@ -310,7 +310,7 @@ def test_device_says_bf16_is_emulated_below_compute_capability_8(ip, monkeypatch
 
     FakeMachine([Gpu("Tesla T4", capability=(7, 5))]).install(monkeypatch)
     lines = device_lines(ip, capsys)
-    assert ("cuda:0: compute capability 7.5 has no native bfloat16; "
+    assert ("cuda:0 (Tesla T4): compute capability 7.5 has no native bfloat16; "
             "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: "
             "use float16 with torch.amp.GradScaler") in lines
     monkeypatch.undo()

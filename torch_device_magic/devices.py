@@ -248,11 +248,10 @@ def others_note(device: str, others: tuple[tuple[int, int], ...]) -> str:
 
 def _bf16_note(d: DeviceInfo) -> str:
     """bfloat16 is native from compute capability 8.0 (Ampere) on; below, torch emulates it."""
-    assert d.capability is not None
+    major, minor = d.capability or (0, 0)
     return (
-        f"{d.device} ({d.name}): compute capability {d.capability[0]}.{d.capability[1]} has no native "
-        "bfloat16; torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and "
-        "slow there: use float16 with torch.amp.GradScaler"
+        f"{d.device} ({d.name}): compute capability {major}.{minor} has no native bfloat16; "
+        "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: use float16 with torch.amp.GradScaler"
     )
 
 

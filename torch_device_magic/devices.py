@@ -251,7 +251,8 @@ def _bf16_note(d: DeviceInfo) -> str:
     major, minor = d.capability or (0, 0)
     return (
         f"{d.device} ({d.name}): compute capability {major}.{minor} has no native bfloat16; "
-        "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: use float16 with torch.amp.GradScaler"
+        "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: "
+        "use float16 with torch.amp.GradScaler"
     )
 
 

@@ -316,3 +316,12 @@ def test_device_says_bf16_is_emulated_below_compute_capability_8(ip, monkeypatch
     monkeypatch.undo()
     FakeMachine([Gpu()]).install(monkeypatch)  # an A100: 8.0
     assert not any("bfloat16" in line for line in device_lines(ip, capsys))
+
+
+def test_a_checkpointed_region_is_not_recomputed_to_count_its_graph(ip):
+    cell(ip, "from torch.utils.checkpoint import checkpoint\nruns = []\n"
+             "def block(t):\n    runs.append(1)\n    return t.exp().exp()\n"
+             "x = torch.randn(1000, requires_grad=True)\n"
+             "loss = checkpoint(block, x, use_reentrant=False).sum()")
+    hidden(ip)
+    assert ip.user_ns["runs"] == [1]  # the saved-tensor hooks were not run

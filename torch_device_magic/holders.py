@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from . import namespace as ns
@@ -174,7 +173,11 @@ def _frames(error: BaseException) -> Iterator[FrameType]:
 def graph_tensors(roots: Iterable[Tensor]) -> Iterator[Tensor]:
     """The tensors that the autograd graphs of `roots` saved for backward (activations,
     and the inputs and weights they need), looking at WALK_LIMIT nodes at most; a graph
-    that backward already freed has none."""
+    that backward already freed has none.
+
+    Saved tensors are read packed (`_raw_saved_*`), never unpacked: unpacking runs the
+    saved-tensor hooks, which recompute a checkpointed region or copy an offloaded
+    tensor back. What a hook packed counts where it is a tensor or a tuple of them."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     seen: set[int] = set()
     while stack and len(seen) < WALK_LIMIT:
@@ -183,23 +186,21 @@ def graph_tensors(roots: Iterable[Tensor]) -> Iterator[Tensor]:
             continue
         seen.add(id(node))
         for attr in _saved_names(type(node)):
-            try:
-                value = getattr(node, attr)
-            except RuntimeError:  # freed by backward, or a saved value it cannot give back
-                continue
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(item, Tensor):
-                    yield item
+            value = getattr(node, attr, None)
+            for saved in value if isinstance(value, (tuple, list)) else (value,):
+                packed = getattr(saved, "data", None)  # None once backward freed it
+                for item in packed if isinstance(packed, (tuple, list)) else (packed,):
+                    if isinstance(item, Tensor):
+                        yield item
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
 
 
 def _saved_names(node_type: type) -> tuple[str, ...]:
-    """A node type's saved-tensor attributes, looked up once per type (`dir` is slow)."""
+    """A node type's packed saved-tensor attributes (a custom Function's among them),
+    looked up once per type (`dir` is slow)."""
     names = _SAVED.get(node_type)
     if names is None:
-        names = tuple(a for a in dir(node_type) if a.startswith("_saved_"))
-        if issubclass(node_type, torch.autograd.function.BackwardCFunction):
-            names += ("saved_tensors",)  # a custom Function's ctx.save_for_backward
+        names = tuple(a for a in dir(node_type) if a.startswith("_raw_saved_"))
         _SAVED[node_type] = names
     return names
 

@@ -53,6 +53,8 @@ def test_a_result_a_name_still_holds_is_not_hidden(ip):
     cell(ip, "a = torch.ones(1000)")
     cell(ip, "a")
     cell(ip, "a[:10]")  # a view: its storage is a's
+    cell(ip, "_b = torch.ones(1000)")
+    cell(ip, "_b")  # a name of the user's, though %tensors does not list it
     assert hidden(ip) == {}
 
 

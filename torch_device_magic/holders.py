@@ -15,6 +15,7 @@ allocator's allocated bytes, and what stays unaccounted is said.
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from collections.abc import Iterable, Iterator
@@ -34,6 +35,7 @@ from .units import fmt_bytes
 Key = tuple[str, int]  # (device, storage key), as `%tensors` counts storages
 TRACEBACK_MIN_BYTES = 100 * 2**20  # below this, a traceback's tensors are not worth a note
 _RESULTS = ("_", "__", "___")  # IPython's last three displayed results
+_IPYTHONS = re.compile(r"_+|_\d+|_i+\d*|_[oid]h|_exit_code")  # its names in the namespace
 RESULT, TRACEBACK, GRAPH, STATE = "result", "traceback", "graph", "state"
 _SAVED: dict[type, tuple[str, ...]] = {}  # a graph node's type: its saved-tensor attributes
 
@@ -78,8 +80,8 @@ def hidden(
     error: BaseException | None = None,
     counters: dict[str, int | None] | None = None,
 ) -> HiddenReport:
-    """What keeps tensors alive in `namespace` apart from the user's names (those that
-    `%tensors` lists: not in `skip`, not starting with `_`). `error` is the last
+    """What keeps tensors alive in `namespace` apart from the user's names (those not in
+    `skip`, and not IPython's: `_`, `_3`, `_i3`, ...). `error` is the last
     traceback's (default: `sys.last_value`); `counters` gives each accelerator's
     allocated bytes (None where unreadable) to reconcile the totals with (default: those
     of the accelerators in use)."""
@@ -115,7 +117,8 @@ def hidden(
 
 
 class _UserHeld:
-    """What the user's names hold: their storages (optimizer state apart, which is a
+    """What the user's names hold (`_x` too: only IPython's own names are left out): their
+    storages (optimizer state apart, which is a
     holder of its own), each optimizer's state, and the tensors that carry a graph."""
 
     def __init__(self, namespace: dict[str, object], skip: Iterable[str]) -> None:
@@ -124,7 +127,7 @@ class _UserHeld:
         self.states: list[tuple[str, dict[Key, int]]] = []
         self.graphs: list[tuple[str, list[Tensor]]] = []
         for name in sorted(namespace):
-            if name.startswith("_") or name in skipped:
+            if name in skipped or _IPYTHONS.fullmatch(name):
                 continue
             roles, roots = ns.storages(namespace[name])
             for role, found in roles.items():

@@ -175,9 +175,12 @@ def test_gpufree_releases_the_last_traceback(ip, capsys):
     assert ip.user_ns["refs"][0]() is None
 
 
-def test_gpufree_leaves_the_users_graphs_and_state(ip):
+def test_gpufree_leaves_the_users_graphs_and_state_and_names_the_graphs(ip, capsys):
     cell(ip, "x = torch.randn(64, 64, requires_grad=True)\nloss = x.exp().sum()")
+    capsys.readouterr()
     ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.rstrip().endswith(
+        "; still held: loss's autograd graph 16.0 KiB (del loss, or keep loss.detach())")
     assert "loss's autograd graph" in hidden(ip)
     cell(ip, "loss.backward()")
     assert ip.user_ns["x"].grad is not None

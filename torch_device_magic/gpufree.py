@@ -39,7 +39,8 @@ class FreeReport:
     collected: int
     before: dict[str, Counters]
     after: dict[str, Counters]
-    released: list[Holder] = field(default_factory=list)  # let go of before collecting
+    # what kept tensors alive behind no name: results and the traceback were let go of
+    holders: list[Holder] = field(default_factory=list)
 
     @property
     def released_bytes(self) -> int:
@@ -47,13 +48,13 @@ class FreeReport:
         return sum(_less(self.before[d], self.after[d]) or 0 for d in self.before)
 
     def __str__(self) -> str:
-        done = f"garbage collected ({plural(self.collected, 'object')})"
-        if self.released:
-            let_go = ", ".join(f"{h.name} {fmt_bytes(h.total)}" for h in self.released)
-            done = f"released {let_go}; {done}"
+        parts = [f"garbage collected ({plural(self.collected, 'object')})"]
+        released = [h for h in self.holders if h.kind in ("result", "traceback")]
+        if released:
+            let_go = ", ".join(f"{h.name} {fmt_bytes(h.total)}" for h in released)
+            parts.insert(0, f"released {let_go}")
         if not self.before:
-            return f"{done}; no accelerator in use, so no allocator cache to empty"
-        parts = [done]
+            parts.append("no accelerator in use, so no allocator cache to empty")
         for name, old in self.before.items():
             new = self.after[name]
             parts.append(
@@ -61,6 +62,10 @@ class FreeReport:
                 f"(cached {fmt_bytes(old.reserved_bytes)} → {fmt_bytes(new.reserved_bytes)}, "
                 f"in tensors {fmt_bytes(old.allocated_bytes)} → {fmt_bytes(new.allocated_bytes)})"
             )
+        graphs = [h for h in self.holders if h.kind == "graph"]
+        if graphs:  # the classic "del did not free it": a stored loss keeps its graph
+            kept = ", ".join(f"{h.name} {fmt_bytes(h.total)} ({h.fix})" for h in graphs)
+            parts.append(f"still held: {kept}")
         return "; ".join(parts)
 
 
@@ -73,17 +78,17 @@ def _less(before: Counters, after: Counters) -> int | None:
 def free_memory(let_go: Callable[[], list[Holder]] = list) -> FreeReport:
     """Run `gc.collect()`, then empty the cache of every accelerator already in use (and,
     on CUDA, release the memory of tensors shared with other processes that are gone);
-    first `let_go()` drops what it can (`holders.release`) and says what."""
+    first `let_go()` drops what it can and says what it found (`holders.release`)."""
     accelerators = accelerators_in_use()
     before = {a.name: a.counters() for a in accelerators}
-    released = let_go()
+    found = let_go()
     collected = gc.collect()
     for kind in dict.fromkeys(a.kind for a in accelerators):
         empty_cache(torch.device(kind))
         if kind == "cuda":
             guarded(torch.cuda.ipc_collect)
     after = {a.name: a.counters() for a in accelerators}
-    return FreeReport(collected, before, after, released)
+    return FreeReport(collected, before, after, found)
 
 
 def accelerators_in_use() -> list[Accelerator]:

@@ -251,13 +251,14 @@ def release(
     namespace: dict[str, object], hidden_ns: dict[str, object], displayhook: Any = None
 ) -> list[Holder]:
     """Let go of the displayed results and the last traceback where they keep tensors
-    alive that no name holds (the user's own graphs and optimizer state stay), and say
-    which. An `Out[n]` goes with its aliases: `_n`, and `_`, `__`, `___` where they are
-    the same object, in `namespace`, in `hidden_ns` (IPython's `user_ns_hidden`, which
-    keeps a copy of each) and in `displayhook` (which keeps its own `_`, `__`, `___`)."""
+    alive that no name holds (the user's own graphs and optimizer state stay); return
+    every holder found, those of kind RESULT and TRACEBACK let go of. An `Out[n]` goes
+    with its aliases: `_n`, and `_`, `__`, `___` where they are the same object, in
+    `namespace`, in `hidden_ns` (IPython's `user_ns_hidden`, which keeps a copy of each)
+    and in `displayhook` (which keeps its own `_`, `__`, `___`)."""
     error = getattr(sys, "last_value", None)
-    gone = [h for h in hidden(namespace, hidden_ns, error, counters={}).holders
-            if h.kind in (RESULT, TRACEBACK)]
+    found = hidden(namespace, hidden_ns, error, counters={}).holders
+    gone = [h for h in found if h.kind in (RESULT, TRACEBACK)]
     out = namespace.get("Out")
     dropped: list[object] = []
     for holder in gone:
@@ -278,7 +279,7 @@ def release(
     for name in _RESULTS:
         if any(getattr(displayhook, name, None) is obj for obj in dropped):
             setattr(displayhook, name, "")
-    return gone
+    return found
 
 
 def traceback_note(

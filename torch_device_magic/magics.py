@@ -623,7 +623,8 @@ class TorchDeviceMagics(Magics):
 
         It first lets go of what keeps tensors alive that no name holds: the
         displayed results (Out[n], _n, _, __, ___) and the last traceback's
-        frames, and says what each released (%tensors --hidden lists them).
+        frames, and says what each released (%tensors --hidden lists them);
+        it names the autograd graphs that stored tensors still keep.
         Only accelerators already in use are touched (no CUDA context is created).
         Memory held by live tensors stays: `del` them first (%tensors lists them).
         On a machine without one it collects garbage and says so.

@@ -67,6 +67,12 @@ def test_a_stored_loss_keeps_its_graph_until_backward(ip):
     assert hidden(ip) == {}  # backward freed the saved tensors
 
 
+def test_a_displayed_prediction_that_a_name_holds_keeps_its_graph_through_the_name(ip):
+    cell(ip, "x = torch.randn(256, 256, requires_grad=True)\npred = x.exp().exp()")
+    cell(ip, "pred")
+    assert list(hidden(ip)) == ["pred's autograd graph"]  # not Out[n]: del Out[n] frees nothing
+
+
 def test_optimizer_state_is_listed(ip):
     cell(ip, "model = torch.nn.Linear(256, 256)\nopt = torch.optim.Adam(model.parameters())\n"
              "model(torch.ones(4, 256)).sum().backward()\nopt.step()")

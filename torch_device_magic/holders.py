@@ -9,8 +9,9 @@ The holders, in this order: the displayed results (`Out[n]` with its alias `_n`,
 and `_`, `__`, `___`), the last traceback (its frames' locals), the autograd graph a
 tensor keeps (a stored `loss` keeps its graph's saved activations), and optimizer
 state. Each storage counts once: not at all when a user's name holds it, else for
-the first holder that reaches it. On an accelerator the total is set against the
-allocator's allocated bytes, and what stays unaccounted is said.
+the first holder that reaches it (a graph a name keeps before a result showing it).
+On an accelerator the total is set against the allocator's allocated bytes, and
+what stays unaccounted is said.
 """
 
 from __future__ import annotations
@@ -87,25 +88,28 @@ def hidden(
     of the accelerators in use)."""
     users = _UserHeld(namespace, skip)
     taken = dict(users.keys)
-    holders: list[Holder] = []
+    found: dict[str, list[Holder]] = {RESULT: [], TRACEBACK: [], GRAPH: [], STATE: []}
 
     def add(name: str, keys: dict[Key, int], fix: str, kind: str) -> None:
         mine = {k: n for k, n in keys.items() if k not in taken}
         taken.update(mine)
         if mine:
-            holders.append(Holder(name, _by_device(mine), fix, kind))
+            found[kind].append(Holder(name, _by_device(mine), fix, kind))
 
+    # The graphs of the user's tensors first: a displayed `pred` that a name still
+    # holds keeps its graph through the name, not through Out.
+    for name, tensors in users.graphs:
+        add(f"{name}'s autograd graph", _keys(graph_tensors(tensors)),
+            f"del {name}, or keep {name}.detach()", GRAPH)
     for name, obj in displayed(namespace):
         add(name, _reached([obj]), "%gpufree", RESULT)
     if error is None:
         error = getattr(sys, "last_value", None)
     if error is not None:
         add("the last traceback", _reached(traceback_locals(error)), "%gpufree", TRACEBACK)
-    for name, tensors in users.graphs:
-        add(f"{name}'s autograd graph", _keys(graph_tensors(tensors)),
-            f"del {name}, or keep {name}.detach()", GRAPH)
     for name, keys in users.states:
         add(f"{name}'s state", keys, f"del {name} (or {name}.state.clear())", STATE)
+    holders = [h for kind in found.values() for h in kind]
     if counters is None:
         counters = {a.name: a.counters().allocated_bytes for a in accelerators_in_use()}
     reconciled = [
@@ -117,9 +121,9 @@ def hidden(
 
 
 class _UserHeld:
-    """What the user's names hold (`_x` too: only IPython's own names are left out): their
-    storages (optimizer state apart, which is a
-    holder of its own), each optimizer's state, and the tensors that carry a graph."""
+    """What the user's names hold (`_x` too: only IPython's own names are left out):
+    their storages (optimizer state apart, which is a holder of its own), each
+    optimizer's state, and the tensors that carry a graph."""
 
     def __init__(self, namespace: dict[str, object], skip: Iterable[str]) -> None:
         skipped = set(skip)

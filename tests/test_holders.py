@@ -268,6 +268,13 @@ def test_a_spawned_worker_that_cannot_find_a_notebook_function_gets_a_hint(ip, c
     assert "Fix: move it into a .py file next to the notebook" in out
 
 
+@pytest.mark.parametrize("module", ["<module '__main__' (built-in)>",
+                                    "<module '__mp_main__' from '/x/ipykernel_launcher.py'>"])
+def test_the_unpickling_error_itself_names_the_class(ip, capsys, module):
+    fail(ip, f"raise AttributeError(\"Can't get attribute 'Net' on {module}\")", AttributeError)
+    assert "cannot find Net, defined in a cell, to unpickle" in capsys.readouterr().out
+
+
 def test_other_attribute_errors_get_no_hint(ip, capsys):
     fail(ip, "torch.nothing_here", AttributeError)
     assert "Hint" not in capsys.readouterr().out

@@ -49,7 +49,8 @@ _DATA_DIR = os.sep + os.path.join("torch", "utils", "data") + os.sep
 _MAX_NAMES = 6
 _MPS_OOM = "MPS backend out of memory"  # a plain RuntimeError, not OutOfMemoryError
 _FORKED = "Cannot re-initialize CUDA in forked subprocess"
-_UNPICKLE = re.compile(r"Can't get attribute '([^']+)' on <module '__main__'")
+# "__mp_main__" where the kernel's main module has a file that spawn re-imported
+_UNPICKLE = re.compile(r"Can't get attribute '([^']+)' on <module '__(?:mp_)?main__'")
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid\(s\) [^)]*\) exited unexpectedly")
 _MP_DIR = os.sep + "multiprocessing" + os.sep
 _LAUNCHER = re.compile(  # accelerate's notebook_launcher (two messages), Lightning's launcher

@@ -294,8 +294,11 @@ def traceback_note(
 ) -> str | None:
     """One line when `error`'s traceback keeps at least `minimum` bytes of tensors alive
     in its frames' locals that no name in `namespace` holds; None otherwise."""
+    keys = _reached(traceback_locals(error))
+    if sum(keys.values()) < minimum:  # the usual failing cell: the namespace is not walked
+        return None
     held = _UserHeld(namespace, skip).keys
-    keys = {k: n for k, n in _reached(traceback_locals(error)).items() if k not in held}
+    keys = {k: n for k, n in keys.items() if k not in held}
     if sum(keys.values()) < minimum:
         return None
     return (

@@ -46,6 +46,8 @@ class DeviceInfo:
     free_bytes: float | None = None
     utilization_pct: int | None = None
     problem: str | None = None  # why torch cannot use it (auto skips it); None: usable
+    others: tuple[tuple[int, int], ...] = ()  # other processes on it: (host pid, bytes)
+    capability: tuple[int, int] | None = None  # a CUDA GPU's compute capability
 
     @property
     def type(self) -> str:
@@ -219,6 +221,7 @@ def nvml_gpus() -> tuple[list[DeviceInfo], str]:
     known = torch_uuids is not None or _order_known(listed, visible)
     driver_problem = _driver_problem(probes.nvml_cuda_driver_version(), torch.version.cuda)
     arches = probes.cuda_arch_list()
+    processes = probes.nvml_device_processes()[0] or {}
     gpus = []
     for i, n in enumerate(order):
         d = listed[n]
@@ -226,8 +229,45 @@ def nvml_gpus() -> tuple[list[DeviceInfo], str]:
         gpus.append(DeviceInfo(
             f"cuda:{i}" if known else UNKNOWN_ORDER, d.name or "unknown GPU",
             d.total_bytes, d.free_bytes, d.utilization_pct, problem,
+            other_processes(processes.get(_bare(d.uuid or ""), {})), d.capability,
         ))
     return gpus, "" if gpus else "NVML sees no GPU visible to this process"
+
+
+def other_processes(listed: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """The processes other than this one in NVML's list of a device, largest first."""
+    me = os.getpid()
+    return tuple(sorted(((p, n) for p, n in listed.items() if p != me), key=lambda pn: -pn[1]))
+
+
+def others_note(device: str, others: tuple[tuple[int, int], ...]) -> str:
+    """What other processes hold on `device`: a stale kernel of the user's often holds GiBs."""
+    listed = ", ".join(f"pid {pid} {fmt_bytes(n)}" for pid, n in others[:5])
+    more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+    return (
+        f"{device}: other processes hold {fmt_bytes(sum(n for _, n in others))} "
+        f"({listed}{more}); an old kernel of yours? shut it down to get it back"
+    )
+
+
+def _bf16_note(d: DeviceInfo) -> str:
+    """bfloat16 is native from compute capability 8.0 (Ampere) on; below, torch emulates it."""
+    major, minor = d.capability or (0, 0)
+    return (
+        f"{d.device} ({d.name}): compute capability {major}.{minor} has no native bfloat16; "
+        "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: "
+        "use float16 with torch.amp.GradScaler"
+    )
+
+
+def cuda_other_processes(index: int) -> tuple[tuple[int, int], ...]:
+    """The other processes on CUDA device `index` per NVML, once CUDA runs (naming the
+    device would start it); none where NVML cannot say."""
+    uuids = probes.torch_cuda_uuids()
+    if uuids is None or not 0 <= index < len(uuids):
+        return ()
+    processes = probes.nvml_device_processes()[0] or {}
+    return other_processes(processes.get(_bare(uuids[index]), {}))
 
 
 def _order_known(listed: list[NvmlDevice], visible: str | None) -> bool:
@@ -351,6 +391,9 @@ def device_table(
             "order, so which GPU is cuda:N is unknown until CUDA starts "
             "(CUDA_DEVICE_ORDER=PCI_BUS_ID makes them agree)"
         )
+    notes += [others_note(d.device, d.others) for d in inventory.devices if d.others]
+    notes += [_bf16_note(d) for d in inventory.devices
+              if d.problem is None and d.capability is not None and d.capability < (8, 0)]
     if cuda_start is not None:
         notes.append(cuda_start)
     return Table(title, ["", "device", "name", "memory used / total", "util"], rows, notes)

@@ -11,7 +11,9 @@ never used one, this collects garbage and says so, and creates no CUDA context.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +28,9 @@ from .probes import (
 )
 from .units import fmt_bytes, plural
 
+if TYPE_CHECKING:  # holders reads the accelerators from here
+    from .holders import Holder
+
 
 @dataclass
 class FreeReport:
@@ -34,6 +39,8 @@ class FreeReport:
     collected: int
     before: dict[str, Counters]
     after: dict[str, Counters]
+    # what kept tensors alive behind no name: results and the traceback were let go of
+    holders: list[Holder] = field(default_factory=list)
 
     @property
     def released_bytes(self) -> int:
@@ -41,10 +48,13 @@ class FreeReport:
         return sum(_less(self.before[d], self.after[d]) or 0 for d in self.before)
 
     def __str__(self) -> str:
-        done = f"garbage collected ({plural(self.collected, 'object')})"
+        parts = [f"garbage collected ({plural(self.collected, 'object')})"]
+        released = [h for h in self.holders if h.kind in ("result", "traceback")]
+        if released:
+            let_go = ", ".join(f"{h.name} {fmt_bytes(h.total)}" for h in released)
+            parts.insert(0, f"released {let_go}")
         if not self.before:
-            return f"{done}; no accelerator in use, so no allocator cache to empty"
-        parts = [done]
+            parts.append("no accelerator in use, so no allocator cache to empty")
         for name, old in self.before.items():
             new = self.after[name]
             parts.append(
@@ -52,6 +62,10 @@ class FreeReport:
                 f"(cached {fmt_bytes(old.reserved_bytes)} → {fmt_bytes(new.reserved_bytes)}, "
                 f"in tensors {fmt_bytes(old.allocated_bytes)} → {fmt_bytes(new.allocated_bytes)})"
             )
+        graphs = [h for h in self.holders if h.kind == "graph"]
+        if graphs:  # the classic "del did not free it": a stored loss keeps its graph
+            kept = ", ".join(f"{h.name} {fmt_bytes(h.total)} ({h.fix})" for h in graphs)
+            parts.append(f"still held: {kept}")
         return "; ".join(parts)
 
 
@@ -61,17 +75,20 @@ def _less(before: Counters, after: Counters) -> int | None:
     return before.reserved_bytes - after.reserved_bytes
 
 
-def free_memory() -> FreeReport:
+def free_memory(let_go: Callable[[], list[Holder]] = list) -> FreeReport:
     """Run `gc.collect()`, then empty the cache of every accelerator already in use (and,
-    on CUDA, release the memory of tensors shared with other processes that are gone)."""
+    on CUDA, release the memory of tensors shared with other processes that are gone);
+    first `let_go()` drops what it can and says what it found (`holders.release`)."""
     accelerators = accelerators_in_use()
     before = {a.name: a.counters() for a in accelerators}
+    found = let_go()
     collected = gc.collect()
     for kind in dict.fromkeys(a.kind for a in accelerators):
         empty_cache(torch.device(kind))
         if kind == "cuda":
             guarded(torch.cuda.ipc_collect)
-    return FreeReport(collected, before, {a.name: a.counters() for a in accelerators})
+    after = {a.name: a.counters() for a in accelerators}
+    return FreeReport(collected, before, after, found)
 
 
 def accelerators_in_use() -> list[Accelerator]:

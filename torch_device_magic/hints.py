@@ -21,16 +21,22 @@ already up.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.process
 import os
 import re
 import sys
 import traceback
+import types
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 import torch
 
 from .cells import cell_attributes, code_words
+from .devices import cuda_other_processes, others_note
 from .namespace import TensorRow, scan
-from .probes import free_and_total, torch_default_device
+from .probes import free_and_total, guarded, torch_default_device
 from .reach import reach
 from .units import fmt_bytes
 
@@ -44,6 +50,10 @@ _DATA_DIR = os.sep + os.path.join("torch", "utils", "data") + os.sep
 _MAX_NAMES = 6
 _MPS_OOM = "MPS backend out of memory"  # a plain RuntimeError, not OutOfMemoryError
 _FORKED = "Cannot re-initialize CUDA in forked subprocess"
+# "__mp_main__" where the kernel's main module has a file that spawn re-imported
+_UNPICKLE = re.compile(r"Can't get attribute '([^']+)' on <module '__(?:mp_)?main__'")
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid\(s\) [^)]*\) exited unexpectedly")
+_MP_DIR = os.sep + "multiprocessing" + os.sep
 _LAUNCHER = re.compile(  # accelerate's notebook_launcher (two messages), Lightning's launcher
     r"CUDA has been initialized before the `notebook_launcher`"
     r"|avoid running any instruction using `torch\.cuda`"
@@ -69,6 +79,11 @@ def hint(
     traceback's frames and `sys.last_*`, so that their tensors can be freed.
     """
     message = str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return _fork_hang(error)
+    if (_UNPICKLE.search(message) or isinstance(error, BrokenProcessPool)
+            or (isinstance(error, RuntimeError) and _WORKER_DIED.search(message))):
+        return _notebook_object(error, message, namespace, source)
     if isinstance(error, OOM) or (isinstance(error, RuntimeError) and _MPS_OOM in message):
         return _out_of_memory(error, namespace)
     if isinstance(error, (RuntimeError, ValueError)) and _LAUNCHER.search(message):
@@ -132,6 +147,10 @@ def _out_of_memory(error: BaseException, namespace: dict[str, object]) -> str:
     if rows:
         largest = ", ".join(f"{r.name} {fmt_bytes(r.nbytes)} ({r.device})" for r in rows[:3])
         lines.append(f"  Largest in the namespace: {largest} (see %tensors)")
+    index = _oom_gpu(str(error))
+    others = () if index is None else cuda_other_processes(index)
+    if others:
+        lines.append(f"  {others_note(f'cuda:{index}', others)}.")
     lines += [
         "  To get memory back: del what you no longer need, then %gpufree.",
         "  Smaller batches, %%nograd for inference, or half precision need less.",
@@ -160,9 +179,15 @@ def release_frames(error: BaseException) -> None:
 
 def _free_and_total(message: str) -> tuple[int, int] | None:
     """Free and total bytes of the GPU that ran out, if its runtime is up (never started here)."""
-    match = re.search(r"GPU (\d+) has a total capacity", message)
-    device = torch.device("cuda", int(match.group(1))) if match else torch.device("cuda")
+    index = _oom_gpu(message)
+    device = torch.device("cuda") if index is None else torch.device("cuda", index)
     return free_and_total(device)  # None for a broken context: the hint goes on without it
+
+
+def _oom_gpu(message: str) -> int | None:
+    """The index of the CUDA GPU a CUDA out-of-memory message names, or None."""
+    match = re.search(r"GPU (\d+) has a total capacity", message)
+    return int(match.group(1)) if match else None
 
 
 def _on_accelerator(row: TensorRow) -> bool:
@@ -236,3 +261,75 @@ def _data_loader(default: torch.device, session: torch.device | None, ondevice: 
             f"device={str(default)!r}))"
         )
     return "\n".join(lines)
+
+
+def _notebook_object(
+    error: BaseException, message: str, namespace: dict[str, object], source: str
+) -> str | None:
+    """Workers started with spawn or forkserver import `__main__` afresh: in a notebook
+    that is the kernel's launcher, so a class or function defined in a cell is missing
+    there. The worker says so ("Can't get attribute 'X' on <module '__main__'>") on its
+    stderr, which the notebook does not show; the cell gets a broken process pool (the
+    notebook's functions and classes the cell names are the suspects), or a DataLoader
+    worker that died (its dataset, collate_fn and worker_init_fn are looked at)."""
+    names = _UNPICKLE.findall(message)
+    if isinstance(error, BrokenProcessPool):
+        words = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", source))
+        names = [name for name in words if name in namespace and _main_name(namespace[name])
+                 and isinstance(namespace[name], (type, types.FunctionType))]
+    elif not names:
+        loader: Any = next((it for it in _frame_selves(error) if hasattr(it, "_workers")), None)
+        if loader is None or not any(_start_method(w) != "fork" for w in loader._workers):
+            return None
+        parts = (loader._dataset, loader._collate_fn, loader._worker_init_fn)
+        names = [_main_name(part) for part in parts if _main_name(part)]
+        if not names:
+            return None
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    return (
+        f"{PREFIX} worker processes started with spawn or forkserver import the notebook's "
+        f"__main__ afresh and cannot find {', '.join(dict.fromkeys(names))}, defined in a "
+        "cell, to unpickle.\n"
+        "  Fix: move it into a .py file next to the notebook and import it from there"
+        + (" (or use fork: multiprocessing_context='fork')." if fork else ".")
+    )
+
+
+def _main_name(obj: object) -> str | None:
+    """The name of a class or function defined in a notebook cell that `obj` is or is an
+    instance of; None otherwise."""
+    made = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+    return made.__qualname__ if made.__module__ == "__main__" else None
+
+
+def _fork_hang(error: BaseException) -> str | None:
+    """Ctrl-C while waiting on a process forked after torch ran intra-op (OpenMP)
+    threads: libgomp is not fork-safe, so the child hangs the moment it uses them."""
+    waited = [p for p in _frame_selves(error) if isinstance(p, multiprocessing.process.BaseProcess)]
+    forked = [p for p in waited if _start_method(p) == "fork" and guarded(p.is_alive)]
+    if not forked or torch.get_num_threads() < 2:
+        return None
+    return (
+        f"{PREFIX} interrupted while waiting on a forked process (pid {forked[0].pid}). A "
+        "child forked after torch ran work on several threads hangs in OpenMP (libgomp) "
+        "as soon as it runs torch ops in parallel.\n"
+        "  Fix: call torch.set_num_threads(1) first thing in the child, or start it with "
+        "spawn: multiprocessing.get_context('spawn').Process(...)."
+    )
+
+
+def _frame_selves(error: BaseException) -> list[object]:
+    """The `self` of each frame of `error`'s traceback in multiprocessing or the DataLoader
+    (where a worker is waited on)."""
+    found = []
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        path = frame.f_code.co_filename
+        if (_MP_DIR in path or _DATA_DIR in path) and "self" in frame.f_code.co_varnames:
+            found.append(frame.f_locals.get("self"))
+    return found
+
+
+def _start_method(process: object) -> str | None:
+    """How `process` starts: its context's method, else the default one."""
+    return getattr(process, "_start_method", None) or multiprocessing.get_start_method(
+        allow_none=True) or multiprocessing.get_context().get_start_method()

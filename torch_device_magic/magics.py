@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, hints, moving, profiling, reach
+from . import cells, devices, gpumem, hints, holders, moving, profiling, reach
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
@@ -182,8 +182,12 @@ class TorchDeviceMagics(Magics):
         failed, self._failed_under = self._failed_under, None
         cell_default = failed[1] if failed is not None and failed[0] == id(error) else None
         cuda_start = self.reporter.cuda_start
-        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
+        text = hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
                           None if cuda_start is None else str(cuda_start))
+        if text is not None:  # the out-of-memory hint cleared the frames already
+            return text
+        note = holders.traceback_note(error, self.shell.user_ns, self.shell.user_ns_hidden)
+        return None if note is None else f"{hints.PREFIX} {note}."
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:
@@ -501,6 +505,11 @@ class TorchDeviceMagics(Magics):
     @argument(
         "-o", dest="output", action="store_true", help="return the rows instead of showing them"
     )
+    @argument(
+        "--hidden", action="store_true",
+        help="list instead what no name holds but keeps tensors alive: Out[n] and _, the last "
+        "traceback, autograd graphs, optimizer state",
+    )
     @line_magic
     @user_errors
     def tensors(self, line: str) -> Any:
@@ -524,8 +533,23 @@ class TorchDeviceMagics(Magics):
         skipped). At most 100,000 objects are looked at per name (its kind then
         says "first 100,000 items"). `--device` and `--min-bytes` filter the
         rows; `-o` returns them (TensorRow).
+
+        `--hidden` lists what keeps tensors alive behind the names: displayed
+        results (Out[n], _), the last traceback's locals, the autograd graph a
+        stored tensor keeps (its saved activations), optimizer state; each
+        storage counted once, none that a name holds. On an accelerator it says
+        how much of the allocator's allocated memory stays unaccounted. `-o`
+        returns the holders (Holder: name, nbytes per device, fix, kind).
         """
         args = parse(self.tensors, line)
+        if args.hidden:
+            if args.device is not None or parse_bytes(args.min_bytes):
+                raise DeviceMagicError("%tensors --hidden takes no filter (--device, --min-bytes)")
+            found = holders.hidden(self.shell.user_ns, self.shell.user_ns_hidden)
+            if args.output:
+                return found.holders
+            display(found)
+            return None
         try:
             device = None if args.device is None else devices.parse(args.device)
         except DeviceMagicError as err:  # its message offers `auto`, which names no tensor's device
@@ -619,12 +643,19 @@ class TorchDeviceMagics(Magics):
         garbage collected (1,204 objects); cuda:0: 6.0 GiB came back (cached 8.1 GiB → 2.1 GiB,
         in tensors 2.0 GiB → 2.0 GiB)
 
+        It first lets go of what keeps tensors alive that no name holds: the
+        displayed results (Out[n], _n, _, __, ___) and the last traceback's
+        frames, and says what each released (%tensors --hidden lists them);
+        it names the autograd graphs that stored tensors still keep.
         Only accelerators already in use are touched (no CUDA context is created).
         Memory held by live tensors stays: `del` them first (%tensors lists them).
         On a machine without one it collects garbage and says so.
         """
         parse(self.gpufree, line)
-        print(free_memory())
+        shell = self.shell
+        print(free_memory(
+            lambda: holders.release(shell.user_ns, shell.user_ns_hidden, shell.displayhook)
+        ))
 
     @magic_arguments()
     @argument("mode", nargs="?", default="status", help="on, off, or status (the default)")

@@ -71,6 +71,7 @@ class _Found:
     warnings: list[str] = field(default_factory=list)
     complete: bool = True
     seen: set[tuple[int, str]] = field(default_factory=set)
+    graphs: list[Tensor] = field(default_factory=list)  # tensors held as data with a grad_fn
 
     def add(self, t: Tensor, role: str) -> None:
         if (id(t), role) in self.seen:
@@ -82,6 +83,8 @@ class _Found:
         if role == DATA:
             self.count += 1
             self.requires_grad |= t.requires_grad
+            if t.grad_fn is not None:
+                self.graphs.append(t)
 
     def devices(self) -> set[str]:
         return {dev for role in (DATA, STATE, PARAM) for dev, _ in self.storages[role]}
@@ -163,6 +166,15 @@ def scan(
         warnings=[w for _, f in found for w in f.warnings] + unread,
         kept=_kept(device, min_bytes),
     )
+
+
+def storages(obj: object) -> tuple[dict[str, dict[tuple[str, int], int]], list[Tensor]]:
+    """The storages `obj` keeps alive as `%tensors` counts them, by role ({DATA: {(device,
+    storage key): bytes}, STATE: ..., GRAD, PARAM, ASIDE}), and the tensors it holds that
+    carry an autograd graph."""
+    f = _Found()
+    _walk(obj, "", f)
+    return f.storages, f.graphs
 
 
 def holds_tensors(obj: object) -> bool:

@@ -737,6 +737,20 @@ def nvml_process_bytes() -> tuple[dict[int, int] | None, str]:
     mode through its instances), from `nvmlDeviceGetComputeRunningProcesses`; None and
     why where NVML cannot list them. The ids are the host's: inside a container they
     need not be this machine's. A process whose memory NVML does not give is left out."""
+    per_device, why = nvml_device_processes()
+    if per_device is None:
+        return None, why
+    found: dict[int, int] = {}
+    for listed in per_device.values():
+        for pid, used in listed.items():
+            found[pid] = found.get(pid, 0) + used
+    return found, ""
+
+
+def nvml_device_processes() -> tuple[dict[str, dict[int, int]] | None, str]:
+    """GPU memory per process id on each device NVML lists, by the device's bare UUID
+    (a GPU in MIG mode by its instances'); None and why where NVML cannot list them.
+    The ids are the host's, as in `nvml_process_bytes`."""
     module, why = nvml_status()
     if module is None:
         return None, why
@@ -745,14 +759,16 @@ def nvml_process_bytes() -> tuple[dict[int, int] | None, str]:
     except Exception as err:
         _log.debug("NVML cannot list the devices", exc_info=True)
         return None, f"NVML failed ({_nvml_error(err)})"
-    found: dict[int, int] = {}
+    found: dict[str, dict[int, int]] = {}
     for handle in handles:
         for device in [mig for mig, _ in _mig_instances(module, handle)] or [handle]:
+            uuid = _text(guarded(module.nvmlDeviceGetUUID, device) or "")
             listed = guarded(module.nvmlDeviceGetComputeRunningProcesses, device) or []
+            mine = found.setdefault(uuid.removeprefix("GPU-").removeprefix("MIG-"), {})
             for process in listed:
                 used = getattr(process, "usedGpuMemory", None)  # None: not available
                 if used is not None:
-                    found[process.pid] = found.get(process.pid, 0) + int(used)
+                    mine[process.pid] = mine.get(process.pid, 0) + int(used)
     return found, ""
 
 

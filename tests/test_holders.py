@@ -1,0 +1,345 @@
+"""Who holds tensors that no name holds: `%tensors --hidden`, the traceback hint, `%gpufree`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from torch_device_magic import holders
+
+MIB = 2**20
+
+
+def cell(ip, source):
+    return ip.run_cell(source, store_history=True)
+
+
+def hidden(ip):
+    return {h.name: h for h in ip.run_line_magic("tensors", "--hidden -o")}
+
+
+def fail(ip, source, error=ValueError):
+    with pytest.raises(error):
+        cell(ip, source)
+
+
+@pytest.fixture(autouse=True)
+def _no_last_traceback():
+    """Each test starts without an earlier test's last traceback."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+
+
+# --- %tensors --hidden ------------------------------------------------------------
+
+
+def test_a_displayed_result_holds_what_del_let_go(ip):
+    cell(ip, "big = torch.ones(MIB)".replace("MIB", str(MIB)))
+    shown = cell(ip, "big").execution_count
+    cell(ip, "del big")
+    found = hidden(ip)
+    assert list(found) == [f"Out[{shown}]"]  # `_` and `_N` are the same tensor: counted once
+    assert found[f"Out[{shown}]"].nbytes == {"cpu": 4 * MIB}
+
+
+def test_a_result_a_name_still_holds_is_not_hidden(ip):
+    cell(ip, "a = torch.ones(1000)")
+    cell(ip, "a")
+    cell(ip, "a[:10]")  # a view: its storage is a's
+    cell(ip, "_b = torch.ones(1000)")
+    cell(ip, "_b")  # a name of the user's, though %tensors does not list it
+    assert hidden(ip) == {}
+
+
+def test_a_stored_loss_keeps_its_graph_until_backward(ip):
+    cell(ip, "x = torch.randn(512, 512, requires_grad=True)\nloss = x.exp().sum()")
+    graph = hidden(ip)["loss's autograd graph"]
+    assert graph.nbytes == {"cpu": 512 * 512 * 4}  # exp saved its result; x is the user's
+    assert graph.fix == "del loss, or keep loss.detach()"
+    cell(ip, "loss.backward()")
+    assert hidden(ip) == {}  # backward freed the saved tensors
+
+
+def test_a_displayed_prediction_that_a_name_holds_keeps_its_graph_through_the_name(ip):
+    cell(ip, "x = torch.randn(256, 256, requires_grad=True)\npred = x.exp().exp()")
+    cell(ip, "pred")
+    assert list(hidden(ip)) == ["pred's autograd graph"]  # not Out[n]: del Out[n] frees nothing
+
+
+def test_optimizer_state_is_listed(ip):
+    cell(ip, "model = torch.nn.Linear(256, 256)\nopt = torch.optim.Adam(model.parameters())\n"
+             "model(torch.ones(4, 256)).sum().backward()\nopt.step()")
+    state = hidden(ip)["opt's state"]
+    assert state.nbytes == {"cpu": 2 * (256 * 256 + 256) * 4}  # exp_avg and exp_avg_sq
+
+
+def test_the_last_traceback_is_listed_and_the_table_shows(ip, capsys):
+    cell(ip, "def f():\n    activations = torch.ones(MIB)\n    raise ValueError('boom')"
+         .replace("MIB", str(MIB)))
+    fail(ip, "f()")
+    assert hidden(ip)["the last traceback"].nbytes == {"cpu": 4 * MIB}
+    capsys.readouterr()
+    ip.run_line_magic("tensors", "--hidden")
+    out = capsys.readouterr().out
+    assert "held where no name shows it" in out
+    assert "the last traceback  4.0 MiB on cpu  %gpufree" in out
+
+
+def test_nothing_hidden_says_so(ip, capsys):
+    cell(ip, "x = torch.ones(10)")
+    capsys.readouterr()
+    ip.run_line_magic("tensors", "--hidden")
+    assert capsys.readouterr().out.strip() == "held where no name shows it: nothing"
+
+
+def test_on_an_accelerator_it_says_what_stays_unaccounted():
+    report = holders.hidden({"x": torch.ones(10)}, counters={"cuda:0": 2**30, "mps:0": None})
+    assert report.reconciled == [
+        "cuda:0: the allocator holds 1.0 GiB in tensors; names and the holders above account "
+        "for 0 B, 1.0 GiB unaccounted (tensors reached only through closures, modules' "
+        "globals or C++ code)"
+    ]
+
+
+def test_filters_with_hidden_are_a_usage_error(ip):
+    with pytest.raises(UsageError, match="--hidden takes no filter"):
+        ip.run_line_magic("tensors", "--hidden --device cpu")
+
+
+# --- the hint after a failing cell ------------------------------------------------
+
+
+def big_local(ip, error="ValueError('boom')"):
+    cell(ip, f"def f():\n    act = torch.empty(2**25)\n    raise {error}")  # 128 MiB
+
+
+def test_a_failing_cell_whose_traceback_keeps_tensors_gets_a_hint(ip, capsys):
+    big_local(ip)
+    fail(ip, "f()")
+    out = capsys.readouterr().out
+    assert (
+        "Hint (torch_device_magic): the last traceback keeps tensors alive in its frames' "
+        "locals (128.0 MiB on cpu): %gpufree gives it back." in out
+    )
+
+
+def test_an_interrupted_cell_gets_it_too(ip, capsys):
+    big_local(ip, "KeyboardInterrupt")
+    fail(ip, "f()", KeyboardInterrupt)
+    assert "the last traceback keeps tensors alive" in capsys.readouterr().out
+
+
+def test_small_locals_and_the_users_own_tensors_get_no_hint(ip, capsys):
+    cell(ip, "big = torch.empty(2**25)\ndef g(t):\n    small = torch.ones(10)\n"
+             "    raise ValueError('boom')")
+    fail(ip, "g(big)")  # its local t is the user's big: the traceback keeps nothing more
+    assert "Hint" not in capsys.readouterr().out
+
+
+def test_no_hint_with_hints_off(ip, capsys):
+    ip.run_line_magic("config", "TorchDeviceMagics.hints = False")
+    big_local(ip)
+    fail(ip, "f()")
+    assert "Hint" not in capsys.readouterr().out
+
+
+# --- %gpufree ---------------------------------------------------------------------
+
+
+def test_gpufree_releases_a_displayed_result_and_says_so(ip, capsys):
+    cell(ip, "big = torch.ones(MIB)\nref = __import__('weakref').ref(big)".replace("MIB", str(MIB)))
+    shown = cell(ip, "big").execution_count
+    cell(ip, "kept = torch.ones(10)")
+    kept_at = cell(ip, "kept").execution_count
+    cell(ip, "del big")
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    out = capsys.readouterr().out
+    assert out.startswith(f"released Out[{shown}] 4.0 MiB; garbage collected (")
+    assert ip.user_ns["ref"]() is None
+    assert shown not in ip.user_ns["Out"] and f"_{shown}" not in ip.user_ns
+    assert ip.user_ns["Out"][kept_at] is ip.user_ns["kept"]  # a name holds it: it stays
+    assert ip.user_ns["_"] is ip.user_ns["kept"]
+
+
+def test_gpufree_releases_the_last_traceback(ip, capsys):
+    cell(ip, "import weakref\nrefs = []\ndef f():\n    act = torch.ones(MIB)\n"
+             "    refs.append(weakref.ref(act))\n    raise ValueError('boom')"
+         .replace("MIB", str(MIB)))
+    fail(ip, "f()")
+    assert ip.user_ns["refs"][0]() is not None
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.startswith("released the last traceback 4.0 MiB; ")
+    assert ip.user_ns["refs"][0]() is None
+
+
+def test_gpufree_leaves_the_users_graphs_and_state_and_names_the_graphs(ip, capsys):
+    cell(ip, "x = torch.randn(64, 64, requires_grad=True)\nloss = x.exp().sum()")
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.rstrip().endswith(
+        "; still held: loss's autograd graph 16.0 KiB (del loss, or keep loss.detach())")
+    assert "loss's autograd graph" in hidden(ip)
+    cell(ip, "loss.backward()")
+    assert ip.user_ns["x"].grad is not None
+
+
+def test_graph_walk_reads_a_custom_functions_saved_tensors():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t * 1)
+            return t * t
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            return 2 * t * grad
+
+    x = torch.ones(100, requires_grad=True)
+    y = Square.apply(x)
+    saved = list(holders.graph_tensors([y]))
+    assert [t.shape for t in saved] == [torch.Size([100])]
+    assert weakref.ref(saved[0])() is not None
+
+
+# --- other processes on the GPU -----------------------------------------------------
+
+
+def device_lines(ip, capsys):
+    capsys.readouterr()
+    ip.run_line_magic("device", "")
+    return [line.strip() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_device_names_other_processes_on_each_gpu_and_not_this_one(ip, monkeypatch, capsys):
+    from fakegpu import GIB, FakeMachine, Gpu
+
+    me = os.getpid()
+    FakeMachine([Gpu(processes={4242: 8 * GIB, me: GIB, 77: GIB // 2, 78: None}),
+                 Gpu(processes={me: GIB})]).install(monkeypatch)
+    lines = device_lines(ip, capsys)
+    assert ("cuda:0: other processes hold 8.5 GiB (pid 4242 8.0 GiB, pid 77 512.0 MiB); "
+            "an old kernel of yours? shut it down to get it back") in lines
+    assert not any(line.startswith("cuda:1: other processes") for line in lines)
+
+
+def test_device_says_nothing_of_processes_when_there_are_none(ip, monkeypatch, capsys):
+    from fakegpu import FakeMachine, Gpu
+
+    FakeMachine([Gpu(processes={os.getpid(): 2**30})]).install(monkeypatch)
+    assert not any("other processes" in line for line in device_lines(ip, capsys))
+
+
+def test_out_of_memory_hint_names_other_processes_on_that_gpu(ip, monkeypatch, capsys):
+    from fakegpu import GIB, FakeMachine, Gpu
+
+    machine = FakeMachine([Gpu(processes={4242: 3 * GIB}),
+                           Gpu(processes={4243: 70 * GIB})]).install(monkeypatch)
+    machine.start_cuda(1)
+    fail(ip, "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. "
+             "GPU 1 has a total capacity of 79.15 GiB of which 1.50 GiB is free.')",
+         torch.OutOfMemoryError)
+    out = capsys.readouterr().out
+    assert "  cuda:1: other processes hold 70.0 GiB (pid 4243 70.0 GiB); " in out
+    assert "pid 4242" not in out
+
+
+# --- hints: workers that cannot unpickle a notebook class, a fork after intra-op threads -----
+
+
+def test_a_spawned_worker_that_cannot_find_a_notebook_function_gets_a_hint(ip, capsys):
+    cell(ip, "import concurrent.futures, multiprocessing\ndef square(v):\n    return v * v")
+    fail(ip, "with concurrent.futures.ProcessPoolExecutor(1, mp_context="
+             "multiprocessing.get_context('spawn')) as pool:\n    list(pool.map(square, [3]))",
+         BrokenProcessPool)  # the worker's AttributeError goes to its stderr only
+    out = capsys.readouterr().out
+    assert ("Hint (torch_device_magic): worker processes started with spawn or forkserver "
+            "import the notebook's __main__ afresh and cannot find square, defined in a "
+            "cell, to unpickle.") in out
+    assert "Fix: move it into a .py file next to the notebook" in out
+
+
+@pytest.mark.parametrize("module", ["<module '__main__' (built-in)>",
+                                    "<module '__mp_main__' from '/x/ipykernel_launcher.py'>"])
+def test_the_unpickling_error_itself_names_the_class(ip, capsys, module):
+    fail(ip, f"raise AttributeError(\"Can't get attribute 'Net' on {module}\")", AttributeError)
+    assert "cannot find Net, defined in a cell, to unpickle" in capsys.readouterr().out
+
+
+def test_other_attribute_errors_get_no_hint(ip, capsys):
+    fail(ip, "torch.nothing_here", AttributeError)
+    assert "Hint" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_spawned_dataloader_worker_that_dies_on_a_notebook_dataset_gets_a_hint(ip, capsys):
+    cell(ip, "class Squares(torch.utils.data.Dataset):\n"
+             "    def __len__(self):\n        return 4\n"
+             "    def __getitem__(self, i):\n        return i * i\n"
+             "loader = torch.utils.data.DataLoader(Squares(), num_workers=1, "
+             "multiprocessing_context='spawn')")
+    fail(ip, "next(iter(loader))", RuntimeError)
+    out = capsys.readouterr().out
+    assert "cannot find Squares, defined in a cell, to unpickle" in out
+
+
+def interrupt_join(ip, context):
+    cell(ip, f"import multiprocessing, os, signal, threading, time\n"
+             f"child = multiprocessing.get_context({context!r}).Process(target=time.sleep, "
+             f"args=(60,))\nchild.start()")
+    try:
+        fail(ip, "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+                 "child.join()", KeyboardInterrupt)
+    finally:
+        ip.user_ns["child"].kill()
+        ip.user_ns["child"].join()
+
+
+def test_ctrl_c_while_joining_a_forked_child_suggests_one_thread_or_spawn(ip, capsys):
+    torch.set_num_threads(2)
+    interrupt_join(ip, "fork")
+    out = capsys.readouterr().out
+    assert "Hint (torch_device_magic): interrupted while waiting on a forked process (pid " in out
+    assert "torch.set_num_threads(1) first thing in the child" in out
+
+
+@pytest.mark.parametrize("context, threads", [("spawn", 2), ("fork", 1)])
+def test_no_fork_hint_for_a_spawned_child_or_one_thread(ip, capsys, context, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        interrupt_join(ip, context)
+    finally:
+        torch.set_num_threads(before)
+    assert "Hint" not in capsys.readouterr().out
+
+
+def test_device_says_bf16_is_emulated_below_compute_capability_8(ip, monkeypatch, capsys):
+    from fakegpu import FakeMachine, Gpu
+
+    FakeMachine([Gpu("Tesla T4", capability=(7, 5))]).install(monkeypatch)
+    lines = device_lines(ip, capsys)
+    assert ("cuda:0 (Tesla T4): compute capability 7.5 has no native bfloat16; "
+            "torch.cuda.is_bf16_supported() may say True, but bf16 is emulated and slow there: "
+            "use float16 with torch.amp.GradScaler") in lines
+    monkeypatch.undo()
+    FakeMachine([Gpu()]).install(monkeypatch)  # an A100: 8.0
+    assert not any("bfloat16" in line for line in device_lines(ip, capsys))
+
+
+def test_a_checkpointed_region_is_not_recomputed_to_count_its_graph(ip):
+    cell(ip, "from torch.utils.checkpoint import checkpoint\nruns = []\n"
+             "def block(t):\n    runs.append(1)\n    return t.exp().exp()\n"
+             "x = torch.randn(1000, requires_grad=True)\n"
+             "loss = checkpoint(block, x, use_reentrant=False).sum()")
+    hidden(ip)
+    assert ip.user_ns["runs"] == [1]  # the saved-tensor hooks were not run

@@ -229,8 +229,10 @@ def _kib(text: bytes, key: bytes) -> int | None:
 
 def _own_peak_bytes() -> int:
     """This process's RSS high-water mark (reset at the cell's start). A child's getrusage
-    peak counts the pages it shared with us until its exec (fork and vfork alike), so a
-    reaped peak no higher than ours may be only our own size: it is then a bound."""
+    peak counts the pages it shared with us until its exec (fork and vfork alike): where
+    only children we never saw (a `subprocess.run`, which execs) were reaped, a peak no
+    higher than ours may be only our own size, so it is a bound. A worker we saw forked
+    (a DataLoader's) keeps the pages it shares, as a live one's peak does."""
     try:
         with open("/proc/self/status", "rb") as status:
             return _kib(status.read(), b"VmHWM:") or 0
@@ -361,8 +363,8 @@ class ChildWatch:
         return Workers(
             tuple(workers),
             exited_peak_bytes=usage[0] if reaped else None,
-            exited_peak_bound=reaped and (
-                usage[0] <= before[0] or earlier or usage[0] <= _own_peak_bytes()),
+            exited_peak_bound=reaped and (usage[0] <= before[0] or earlier or (
+                not reaped_here and usage[0] <= _own_peak_bytes())),
             uncounted=reaped and not reaped_here,
         )
 

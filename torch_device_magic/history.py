@@ -114,7 +114,7 @@ class History:
                 writer.writerow(names)
                 for r in self._records:
                     values = (getattr(r, n) for n in names)
-                    writer.writerow(["" if v is None else v for v in values])
+                    writer.writerow([_csv(v) for v in values])
         except OSError as err:
             raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from err
         return len(self._records)
@@ -155,6 +155,13 @@ def save_plot(figure: Any) -> str:
     with os.fdopen(fd, "wb") as f:
         figure.savefig(f, format="png")
     return path
+
+
+def _csv(value: object) -> object:
+    """A field as one CSV cell: empty where not measured, the notes' texts joined."""
+    if isinstance(value, tuple):
+        return "; ".join(map(str, value))
+    return "" if value is None else value
 
 
 def _or_nan(value: float | None) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from .probes import (
 )
 from .units import fmt_bytes, fmt_seconds
 from .workers import NONE, ChildWatch, Workers, with_device_memory
+
+if TYPE_CHECKING:
+    from .advice import Note
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ class Measurement:
     workers_pss_bytes: int | None = None  # total PSS of those alive at the end
     workers_device_bytes: int | None = None  # their GPU memory at the end (NVML)
     workers_note: str | None = None  # why a worker figure could not be read
+    notes: tuple[Note, ...] = ()  # what to act on (advice.py); () for an ordinary cell
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -127,6 +131,10 @@ class Measurement:
             line += f" | a {kind} error surfaced at the end of the cell: {self.device_error}"
         return line
 
+    def text(self, note: str = "") -> str:
+        """The line, and under it the cell's notes, one a line."""
+        return "\n".join((self.summary(note), *map(str, self.notes)))
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -134,12 +142,13 @@ class Measurement:
         return self.bundle()
 
     def bundle(self, note: str = "") -> dict[str, str]:
-        """The line as text and as a small grey HTML line."""
+        """The line (and the notes under it) as text and as small grey HTML lines."""
         text = self.summary(note)
+        notes = "".join(f"<div>{html.escape(str(n))}</div>" for n in self.notes)
         return {
-            "text/plain": text,
+            "text/plain": self.text(note) if self.notes else text,
             "text/html": f'<div class="tdm-report" style="font-size:smaller;opacity:.7">'
-            f"{html.escape(text)}</div>",
+            f"{html.escape(text)}{notes}</div>",
         }
 
 

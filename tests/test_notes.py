@@ -11,8 +11,6 @@ import csv
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu
 
-from torch_device_magic import advice
-
 MiB = 2**20
 
 
@@ -39,6 +37,8 @@ def lines_after_report(out: str) -> list[str]:
 @pytest.fixture
 def small(monkeypatch):
     """Thresholds a test can reach with tensors of a few MiB (the machine is shared)."""
+    from torch_device_magic import advice
+
     monkeypatch.setattr(advice, "DISPLAYED_MIN_BYTES", 8 * MiB)
     monkeypatch.setattr(advice, "INFERENCE_MIN_BYTES", 8 * MiB)
 

@@ -245,3 +245,62 @@ def test_a_peak_below_90_percent_is_quiet(shell, monkeypatch):
     gpu(shell, monkeypatch)
     run(shell, "machine.allocate(0, 70 * 2**30, keep=False)")
     assert last(shell).notes == ()
+
+
+# --- is the GPU busy ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_cells(monkeypatch):
+    """Cells of any length get the GPU's busy share read (a test's cell is short)."""
+    from torch_device_magic import advice
+
+    monkeypatch.setattr(advice, "BUSY_MIN_S", 0.0)
+
+
+def test_a_gpu_busy_for_part_of_the_cell_says_so(shell, capsys, monkeypatch, short_cells):
+    machine = gpu(shell, monkeypatch)
+    machine.sample(0, [100, 100], at_us=1)  # before the cell: not counted
+    capsys.readouterr()
+    run(shell, "import os; machine.run(0, 5); machine.sample(0, [10, 30, 20], pid=os.getpid())")
+    assert lines_after_report(capsys.readouterr().out) == [
+        "GPU busy 20% of the cell: the GPU waited, on input or on Python; %%profile shows where"
+    ]
+    assert last(shell).gpu_busy == pytest.approx(20)
+
+
+def test_memory_held_by_an_idle_gpu_says_so(shell, capsys, monkeypatch, short_cells):
+    machine = gpu(shell, monkeypatch)
+    run(shell, "machine.allocate(0, 8 * 2**30)")
+    capsys.readouterr()
+    run(shell, "machine.run(0, 5); machine.sample(0, [0, 3, 0])")
+    assert lines_after_report(capsys.readouterr().out) == [
+        "cuda:0 held 8.0 GiB and was busy 1% of the cell: the GPU waited, on input or on "
+        "Python; %%profile shows where"
+    ]
+
+
+def test_a_busy_gpu_no_samples_and_foreign_pids_say_nothing(shell, monkeypatch, short_cells):
+    machine = gpu(shell, monkeypatch)
+    run(shell, "import os; machine.run(0, 5); machine.sample(0, [90, 95], pid=os.getpid())")
+    assert last(shell).notes == () and last(shell).gpu_busy == pytest.approx(92.5)
+    run(shell, "machine.run(0, 5)")  # NVML has no samples in the cell
+    assert last(shell).notes == () and last(shell).gpu_busy is None
+    # Only a pid that is none of ours ran kernels (a container hides the host's pids).
+    run(shell, "machine.run(0, 5); machine.sample(0, [10, 10], pid=4_000_000)")
+    assert last(shell).notes == () and last(shell).gpu_busy is None
+
+
+def test_another_process_on_the_gpu_leaves_our_share(shell, monkeypatch, short_cells):
+    machine = gpu(shell, monkeypatch)
+    run(shell, "import os; machine.run(0, 5); machine.sample(0, [80, 80], pid=4_000_000)\n"
+               "machine.cuda[0].process_samples.append((os.getpid(), "
+               "machine.cuda[0].samples[-1][0], 20))")
+    assert last(shell).gpu_busy == pytest.approx(10)  # 20% in one of two samples
+    assert [n.rule for n in last(shell).notes] == ["gpu_busy"]
+
+
+def test_a_short_cell_does_not_read_nvml(shell, monkeypatch):
+    machine = gpu(shell, monkeypatch)
+    run(shell, "machine.run(0, 5); machine.sample(0, [1, 1])")
+    assert last(shell).notes == () and last(shell).gpu_busy is None

@@ -21,13 +21,15 @@ import ast
 import logging
 import re
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
-from .probes import free_and_total, guarded
+from .probes import free_and_total, guarded, nvml_busy_percent
 from .units import fmt_bytes, fmt_seconds
 
 _log = logging.getLogger(__name__)
@@ -37,6 +39,10 @@ NEAR_CAPACITY_SHARE = 0.90  # a cell's device peak at this share of the device's
 DISPLAYED_MIN_BYTES = 256 * MiB  # a displayed result this large is said (any device) ...
 DISPLAYED_SHARE = 0.05  # ... and one holding this share of an accelerator's memory
 INFERENCE_MIN_BYTES = 64 * MiB  # an autograd graph kept by an inference cell, this large
+BUSY_MIN_S = 0.5  # a CUDA cell this long gets its GPU's busy share read (NVML) ...
+BUSY_LOW = 50.0  # ... and a note below this percent busy
+IDLE_MAX = 5.0  # at most this busy, while holding IDLE_HELD_BYTES: the GPU sat idle
+IDLE_HELD_BYTES = 1024 * MiB
 _MAX_ITEMS = 1000  # a displayed container longer than this is not looked into
 _MAX_NODES = 100_000  # an autograd graph is walked this far, no further
 
@@ -89,6 +95,19 @@ def inference(names: list[str], nbytes: int) -> Note | None:
     return Note("inference", f"{who} {verb} an autograd graph holding {fmt_bytes(nbytes)}: for "
                 "inference run the cell under %%nograd, or torch.no_grad()",
                 nbytes, INFERENCE_MIN_BYTES, who)
+
+
+def gpu_busy(device: str, percent: float, held_bytes: int | None) -> Note | None:
+    """The cell's CUDA device ran kernels `percent` of the cell's time."""
+    if percent >= BUSY_LOW:
+        return None
+    if percent <= IDLE_MAX and (held_bytes or 0) >= IDLE_HELD_BYTES:
+        return Note("gpu_idle", f"{device} held {fmt_bytes(held_bytes)} and was busy "
+                    f"{percent:.0f}% of the cell: the GPU waited, on input or on Python; "
+                    "%%profile shows where",
+                    percent, IDLE_MAX, device)
+    return Note("gpu_busy", f"GPU busy {percent:.0f}% of the cell: the GPU waited, on input "
+                "or on Python; %%profile shows where", percent, BUSY_LOW, device)
 
 
 def compiled(function: str, frames: int, seconds: float) -> Note:
@@ -161,6 +180,19 @@ class Advisor:
             found = self._near_capacity(record)
             if found is not None:
                 yield found
+        if record.wall_s >= BUSY_MIN_S and (record.device or "").startswith("cuda"):
+            found = self._busy(record)
+            if found is not None:
+                yield found
+
+    def _busy(self, record: Any) -> Note | None:
+        """Read how busy the cell's GPU was over the cell (NVML), into the record."""
+        index = torch.device(record.device).index or 0
+        since_us = int((time.time() - record.wall_s) * 1e6)
+        record.gpu_busy = nvml_busy_percent(index, since_us, _our_pids())
+        if record.gpu_busy is None:
+            return None
+        return gpu_busy(record.device, record.gpu_busy, record.device_allocated_bytes)
 
     def total_bytes(self, device: str) -> int | None:
         """The device's memory, read once per device; None for the CPU."""
@@ -222,6 +254,13 @@ class Advisor:
         new.reverse()
         self._seen = records[-1]
         yield from _compile_notes(new, list(records), _recompile_limit())
+
+
+def _our_pids() -> set[int]:
+    """This process and its workers."""
+    me = psutil.Process()
+    children = guarded(me.children, True) or []
+    return {me.pid, *(c.pid for c in children)}
 
 
 def _last_compilation() -> object:

@@ -65,6 +65,9 @@ class Measurement:
     workers_pss_bytes: int | None = None  # total PSS of those alive at the end
     workers_device_bytes: int | None = None  # their GPU memory at the end (NVML)
     workers_note: str | None = None  # why a worker figure could not be read
+    # The share of the cell in which a kernel ran on its CUDA device, in percent (NVML's
+    # samples; advice.py reads it for cells of 0.5 s and more); None where not read.
+    gpu_busy: float | None = None
     notes: tuple[Note, ...] = ()  # what to act on (advice.py); () for an ordinary cell
 
     @classmethod

@@ -270,7 +270,7 @@ def test_a_gpu_busy_for_part_of_the_cell_says_so(shell, capsys, monkeypatch, sho
 
 
 def test_memory_held_by_an_idle_gpu_says_so(shell, capsys, monkeypatch, short_cells):
-    machine = gpu(shell, monkeypatch)
+    gpu(shell, monkeypatch)
     run(shell, "machine.allocate(0, 8 * 2**30)")
     capsys.readouterr()
     run(shell, "machine.run(0, 5); machine.sample(0, [0, 3, 0])")
@@ -281,7 +281,7 @@ def test_memory_held_by_an_idle_gpu_says_so(shell, capsys, monkeypatch, short_ce
 
 
 def test_a_busy_gpu_no_samples_and_foreign_pids_say_nothing(shell, monkeypatch, short_cells):
-    machine = gpu(shell, monkeypatch)
+    gpu(shell, monkeypatch)
     run(shell, "import os; machine.run(0, 5); machine.sample(0, [90, 95], pid=os.getpid())")
     assert last(shell).notes == () and last(shell).gpu_busy == pytest.approx(92.5)
     run(shell, "machine.run(0, 5)")  # NVML has no samples in the cell
@@ -292,7 +292,7 @@ def test_a_busy_gpu_no_samples_and_foreign_pids_say_nothing(shell, monkeypatch, 
 
 
 def test_another_process_on_the_gpu_leaves_our_share(shell, monkeypatch, short_cells):
-    machine = gpu(shell, monkeypatch)
+    gpu(shell, monkeypatch)
     run(shell, "import os; machine.run(0, 5); machine.sample(0, [80, 80], pid=4_000_000)\n"
                "machine.cuda[0].process_samples.append((os.getpid(), "
                "machine.cuda[0].samples[-1][0], 20))")
@@ -301,6 +301,6 @@ def test_another_process_on_the_gpu_leaves_our_share(shell, monkeypatch, short_c
 
 
 def test_a_short_cell_does_not_read_nvml(shell, monkeypatch):
-    machine = gpu(shell, monkeypatch)
+    gpu(shell, monkeypatch)
     run(shell, "machine.run(0, 5); machine.sample(0, [1, 1])")
     assert last(shell).notes == () and last(shell).gpu_busy is None

@@ -156,16 +156,30 @@ class Advisor:
 
     def notes(self, record: Any, result: Any) -> tuple[Note, ...]:
         """The notes for a cell just measured; () for an ordinary cell, and where looking
-        failed (a user's object that raises when looked at: logged at debug level)."""
+        failed (a user's object that raises when looked at: logged at debug level).
+
+        An ordinary cell (nothing compiled, nothing displayed, little memory kept, no
+        accelerator) costs a few comparisons here, and nothing more."""
+        utils = sys.modules.get("torch._dynamo.utils")  # only where the user's code imported it
+        compiled = utils is not None and self._compiled(utils)
+        if not (compiled or getattr(result, "result", None) is not None
+                or record.device is not None
+                or (record.host_delta_bytes or 0) >= INFERENCE_MIN_BYTES):
+            return ()
         try:
-            return tuple(self._notes(record, result))
+            return tuple(self._notes(record, result, utils if compiled else None))
         except (Exception, KeyboardInterrupt):
             _log.debug("making the cell's notes failed", exc_info=True)
             return ()
 
-    def _notes(self, record: Any, result: Any) -> Iterator[Note]:
-        if "torch._dynamo.utils" in sys.modules:  # only where the user's code imported it
-            yield from self._compilations()
+    def _compiled(self, utils: Any) -> bool:
+        """Whether torch recorded a compilation since the last cell."""
+        records = getattr(utils, "_compilation_metrics", None)
+        return bool(records) and records[-1] is not self._seen
+
+    def _notes(self, record: Any, result: Any, utils: Any) -> Iterator[Note]:
+        if utils is not None:
+            yield from self._compilations(utils)
         value = getattr(result, "result", None)
         if value is not None:
             found = self._displayed(value, getattr(result, "execution_count", None))
@@ -239,13 +253,10 @@ class Advisor:
         roots = [fn for n in names for fn in _graph_roots(ns[n])]
         return inference(names, _saved_bytes(roots, skip))
 
-    def _compilations(self) -> Iterator[Note]:
+    def _compilations(self, utils: Any) -> Iterator[Note]:
         """Notes on what torch's compiler recorded since the last cell: compiles, graph
         breaks, recompiles and their reasons, the recompile limit, skipped CUDA graphs."""
-        utils = sys.modules["torch._dynamo.utils"]
-        records = getattr(utils, "_compilation_metrics", None)
-        if not records or records[-1] is self._seen:
-            return
+        records = utils._compilation_metrics
         new = []
         for entry in reversed(records):
             if entry is self._seen:

@@ -10,6 +10,9 @@ import csv
 
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu
+from IPython.core.interactiveshell import InteractiveShell
+
+from torch_device_magic.hints import PREFIX
 
 MiB = 2**20
 
@@ -304,3 +307,46 @@ def test_a_short_cell_does_not_read_nvml(shell, monkeypatch):
     gpu(shell, monkeypatch)
     run(shell, "machine.run(0, 5); machine.sample(0, [1, 1])")
     assert last(shell).notes == () and last(shell).gpu_busy is None
+
+
+# --- hints for failing compiled cells ----------------------------------------------------------
+
+
+def show(ip, cell: str):
+    """Run a failing cell as a notebook does: the traceback printed, not raised."""
+    return InteractiveShell.run_cell(ip, cell, store_history=True)
+
+
+def test_the_recompile_limit_made_an_error_gets_a_hint_with_the_reasons(ip, capsys):
+    run(ip, "import torch._dynamo\n"
+            "def shift(x, k):\n    return x + k\n"
+            "strict = torch.compile(shift, backend='eager', dynamic=False, fullgraph=True)")
+    capsys.readouterr()
+    result = show(ip, "for k in range(torch._dynamo.config.recompile_limit + 1):\n"
+                      "    strict(torch.ones(3), k)")
+    assert type(result.error_in_exec).__name__ == "FailOnRecompileLimitHit"
+    out = capsys.readouterr().out
+    limit = ip.user_ns["torch"]._dynamo.config.recompile_limit
+    assert f"{PREFIX} shift reached torch.compile's recompile limit" in out
+    assert f"  Recompiled for: k == {limit - 3}; k == {limit - 2}; k == {limit - 1}\n" in out
+    assert "torch._dynamo.mark_dynamic(x, 0)" in out
+
+
+def test_an_overwritten_cuda_graph_output_names_who_holds_one(ip, capsys):
+    # torch makes reading a dead CUDA-graph output's storage raise (on a CUDA build
+    # only): a tensor subclass plays such an output here.
+    run(ip, f"MESSAGE = {OVERWRITTEN!r}\n"
+            "class Dead(torch.Tensor):\n"
+            "    def untyped_storage(self):\n"
+            "        raise RuntimeError(MESSAGE)\n"
+            "out = torch.ones(3).as_subclass(Dead); fine = torch.ones(3)")
+    capsys.readouterr()
+    show(ip, "raise RuntimeError(MESSAGE)")
+    out = capsys.readouterr().out
+    assert f"{PREFIX} a compiled function's output (CUDA graphs" in out
+    assert "  Held by: out\n" in out and ".clone()" in out
+
+
+OVERWRITTEN = ("Error: accessing tensor output of CUDAGraphs that has been overwritten by a "
+               "subsequent run. Stack trace: File \"<cell>\", line 2. To prevent overwriting, "
+               "clone the tensor outside of torch.compile()")

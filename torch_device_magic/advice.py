@@ -174,7 +174,7 @@ class Advisor:
 
     def _compiled(self, utils: Any) -> bool:
         """Whether torch recorded a compilation since the last cell."""
-        records = getattr(utils, "_compilation_metrics", None)
+        records: Any = getattr(utils, "_compilation_metrics", None)
         return bool(records) and records[-1] is not self._seen
 
     def _notes(self, record: Any, result: Any, utils: Any) -> Iterator[Note]:
@@ -274,6 +274,29 @@ def _our_pids() -> set[int]:
     return {me.pid, *(c.pid for c in children)}
 
 
+def recompile_limit_reasons() -> tuple[str, list[str]]:
+    """The function that last hit torch.compile's recompile limit, and the reasons torch
+    recorded for its recompiles (oldest first, each once); ("a function", []) where torch
+    recorded none. For the hint after a cell that failed there (`fullgraph=True`)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    everything = list(getattr(utils, "_compilation_metrics", ()))
+    hit = next((e for e in reversed(everything) if _hit_limit(e)), None)
+    if hit is None:
+        return "a function", []
+    frame = str(hit.compile_id).split("/")[0]
+    reasons = [_reason(e.recompile_reason) for e in everything
+               if e.recompile_reason and str(e.compile_id).split("/")[0] == frame]
+    return _function(hit, everything)[0], list(dict.fromkeys(reasons))
+
+
+def _hit_limit(entry: Any) -> bool:
+    """Whether a compilation record is a function reaching the recompile limit (an error
+    under fullgraph=True, else the function runs uncompiled)."""
+    fail = entry.fail_reason or ""
+    return (entry.fail_type == "FailOnRecompileLimitHit" or "recompile limit" in fail
+            or "cache size limit" in fail)
+
+
 def _last_compilation() -> object:
     utils = sys.modules.get("torch._dynamo.utils")
     records = getattr(utils, "_compilation_metrics", None)
@@ -326,7 +349,7 @@ def _compile_notes(new: list[Any], everything: list[Any], limit: int | None) -> 
     for entry in new:
         function, line = _function(entry, everything)
         fail = entry.fail_reason or ""
-        if "recompile limit" in fail or "cache size limit" in fail:
+        if _hit_limit(entry):
             notes.append(recompile_limit(function, limit, _reason(entry.recompile_reason)))
             continue
         first = not entry.cache_size

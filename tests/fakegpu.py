@@ -59,6 +59,9 @@ class Gpu:
     mig: bool = False  # this is a MIG instance
     # NVML's per-process list: {host pid: bytes used}, None where NVML gives no figure
     processes: dict[int, int | None] = field(default_factory=dict)
+    # NVML's sample buffers: (time in µs, percent busy); (pid, time in µs, percent of SMs)
+    samples: list[tuple[int, int]] = field(default_factory=list)
+    process_samples: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def nvml_uuid(self) -> str:
@@ -147,6 +150,19 @@ class FakeMachine:
         """Kernels on `device`'s current stream that take `ms` milliseconds."""
         self.context(device, "kernel")
         self.clock_ms[device] += ms
+
+    def sample(self, device: int, percents: list[int], pid: int | None = None,
+               at_us: int | None = None) -> None:
+        """NVML's buffers get one sample per percent, now (or at `at_us`): the device's,
+        and `pid`'s (the device's figure) where a pid is given."""
+        import time
+
+        gpu = self.cuda[device]
+        now = int(time.time() * 1e6) if at_us is None else at_us
+        for i, value in enumerate(percents):
+            gpu.samples.append((now + i, value))
+            if pid is not None:
+                gpu.process_samples.append((pid, now + i, value))
 
     def context(self, device: int, why: str) -> None:
         if not self.initialized:
@@ -260,7 +276,24 @@ class FakeMachine:
                 raise NotSupported()
             return gpu.capability
 
+        def samples(gpu: Gpu, kind: int, since_us: int) -> tuple[int, list[Any]]:
+            found = [types.SimpleNamespace(timeStamp=at, sampleValue=types.SimpleNamespace(
+                uiVal=value)) for at, value in gpu.samples if at > since_us]
+            if not found:
+                raise NotFound()
+            return 1, found
+
+        def process_utilization(gpu: Gpu, since_us: int) -> list[Any]:
+            found = [types.SimpleNamespace(pid=pid, timeStamp=at, smUtil=sm, memUtil=0)
+                     for pid, at, sm in gpu.process_samples if at > since_us]
+            if not found:
+                raise NotFound()
+            return found
+
         mod.NVMLError = NVMLError
+        mod.NVML_GPU_UTILIZATION_SAMPLES = 1
+        mod.nvmlDeviceGetSamples = samples
+        mod.nvmlDeviceGetProcessUtilization = process_utilization
         mod.nvmlInit = init
         mod.nvmlShutdown = lambda: None
         mod.nvmlDeviceGetCount = lambda: len(self.gpus)

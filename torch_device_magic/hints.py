@@ -6,7 +6,7 @@
       The cell uses: model (cuda:0), x (cpu)
       Fix: run the cell with %%ondevice cuda:0 (moves what it uses there), or .to(device) each one.
 
-Six errors get one: tensors on different devices, out of memory (CUDA's
+Eight errors get one: tensors on different devices, out of memory (CUDA's
 `OutOfMemoryError`, and MPS's plain RuntimeError), a CUDA checkpoint loaded
 without CUDA, CUDA used in a forked subprocess (a DataLoader worker), a
 launcher that forks refusing a kernel where CUDA is up (accelerate's
@@ -14,7 +14,9 @@ launcher that forks refusing a kernel where CUDA is up (accelerate's
 initialised CUDA, as the report noted it), and the
 DataLoader under a non-CPU default device (keyed on that default and a frame in
 `torch/utils/data`, because the message differs per device: a generator error
-on CUDA, `.item()` on meta).
+on CUDA, `.item()` on meta); and two of torch.compile's: the recompile limit
+made an error (`fullgraph=True`), with the reasons torch recorded, and a CUDA
+graph's output read after a later run overwrote it, with the names that hold one.
 Every other error gets None. Nothing here touches CUDA unless its runtime is
 already up.
 """
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .advice import recompile_limit_reasons
 from .cells import cell_attributes, code_words
 from .devices import cuda_other_processes, others_note
 from .namespace import TensorRow, scan
@@ -54,6 +57,7 @@ _FORKED = "Cannot re-initialize CUDA in forked subprocess"
 _UNPICKLE = re.compile(r"Can't get attribute '([^']+)' on <module '__(?:mp_)?main__'")
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid\(s\) [^)]*\) exited unexpectedly")
 _MP_DIR = os.sep + "multiprocessing" + os.sep
+_OVERWRITTEN = "output of CUDAGraphs that has been overwritten by a subsequent run"
 _LAUNCHER = re.compile(  # accelerate's notebook_launcher (two messages), Lightning's launcher
     r"CUDA has been initialized before the `notebook_launcher`"
     r"|avoid running any instruction using `torch\.cuda`"
@@ -88,8 +92,12 @@ def hint(
         return _out_of_memory(error, namespace)
     if isinstance(error, (RuntimeError, ValueError)) and _LAUNCHER.search(message):
         return _launcher(cuda_start)
+    if type(error).__name__ == "FailOnRecompileLimitHit":
+        return _recompile_limit()
     if not isinstance(error, RuntimeError):
         return None
+    if _OVERWRITTEN in message:
+        return _overwritten(namespace)
     if _FORKED in message:  # also re-raised by the DataLoader from its worker
         return _forked(session_device, cuda_start)
     if _MISMATCH.search(message):
@@ -192,6 +200,39 @@ def _oom_gpu(message: str) -> int | None:
 
 def _on_accelerator(row: TensorRow) -> bool:
     return any(d not in ("cpu", "meta") for d in row.device.split(", "))
+
+
+def _overwritten(namespace: dict[str, object]) -> str:
+    """The names whose tensors a CUDA graph's later run overwrote (torch makes reading
+    their storage raise), and the fix."""
+    dead = []
+    for name, value in namespace.items():
+        if isinstance(value, torch.Tensor) and not name.startswith("_"):
+            try:
+                value.untyped_storage()
+            except RuntimeError as err:
+                if _OVERWRITTEN in str(err):
+                    dead.append(name)
+    lines = [f"{PREFIX} a compiled function's output (CUDA graphs: mode=\"reduce-overhead\") "
+             "was overwritten by a later run of it."]
+    if dead:
+        shown = ", ".join(dead[:_MAX_NAMES]) + (", ..." if len(dead) > _MAX_NAMES else "")
+        lines.append(f"  Held by: {shown}")
+    lines.append("  Fix: keep an output past the next call with .clone() (kept = out.clone()), "
+                 "or call torch.compiler.cudagraph_mark_step_begin() before each call.")
+    return "\n".join(lines)
+
+
+def _recompile_limit() -> str:
+    function, reasons = recompile_limit_reasons()
+    lines = [f"{PREFIX} {function} reached torch.compile's recompile limit "
+             "(fullgraph=True, or fail_on_recompile_limit_hit, makes that an error)."]
+    if reasons:
+        lines.append("  Recompiled for: " + "; ".join(reasons[-3:]))
+    lines.append("  Fix: pass what changes as a tensor, mark a changing size dynamic "
+                 "(torch._dynamo.mark_dynamic(x, 0)), or raise "
+                 "torch._dynamo.config.recompile_limit.")
+    return "\n".join(lines)
 
 
 def _checkpoint(session: torch.device | None) -> str:

@@ -113,7 +113,7 @@ class History:
                 writer = csv.writer(f)
                 writer.writerow(names)
                 for r in self._records:
-                    writer.writerow(["" if v is None else v for v in r.row()])
+                    writer.writerow([_csv(v) for v in r.row()])
         except OSError as err:
             raise DeviceMagicError(f"cannot write {path}: {err.strerror or err}") from err
         return len(self._records)
@@ -154,6 +154,13 @@ def save_plot(figure: Any) -> str:
     with os.fdopen(fd, "wb") as f:
         figure.savefig(f, format="png")
     return path
+
+
+def _csv(value: object) -> object:
+    """A field as one CSV cell: empty where not measured, the notes' texts joined."""
+    if isinstance(value, tuple):
+        return "; ".join(map(str, value))
+    return "" if value is None else value
 
 
 def _or_nan(value: float | None) -> float:

@@ -94,6 +94,8 @@ class CellReporter:
         self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
         self._watch_cuda = False  # ask after each cell: a CUDA build, and CUDA not up yet
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
+        # The notes under the line (advice.py's `Advisor.notes`), None: no notes.
+        self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
 
     @property
     def registered(self) -> bool:
@@ -280,6 +282,8 @@ class CellReporter:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
+                if self.advise is not None and self._adopted is None:
+                    measured.notes = self.advise(measured, result)
                 self._record(measured, result.execution_count)
         except Exception as err:
             _log.debug("recording the measurement failed", exc_info=True)
@@ -335,8 +339,10 @@ class CellReporter:
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""
-        if record.device_error is not None or (not self.min_seconds and not self.min_bytes):
-            return True  # an error the cell's kernels raised is always said
+        if record.device_error is not None or record.notes or (
+            not self.min_seconds and not self.min_bytes
+        ):
+            return True  # an error the cell's kernels raised, and a note, are always said
         return bool(
             (self.min_seconds and record.wall_s >= self.min_seconds)
             or (self.min_bytes and record.largest_bytes() >= self.min_bytes)
@@ -353,7 +359,7 @@ class CellReporter:
     def _show(self, record: Measurement) -> None:
         note = " (profiled)" if self._profiled else ""
         if self._printing:
-            self._print(record.summary(note))
+            self._print(record.text(note))
         else:
             publish(self._shell.display_pub, record.bundle(note))
 

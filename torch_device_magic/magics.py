@@ -23,6 +23,7 @@ from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
 from . import cells, devices, gpumem, hints, holders, moving, profiling, reach
+from .advice import Advisor
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError
@@ -128,6 +129,14 @@ class TorchDeviceMagics(Magics):
         "device), print a short block starting 'Hint (torch_device_magic):'.",
     ).tag(config=True)
 
+    advice = Bool(
+        True,
+        help="Under the per-cell line, a note when a cell left something to act on: a "
+        "torch.compile compile, recompile or graph break; a large displayed result kept in "
+        "Out; inference that keeps an autograd graph; a peak near the device's capacity. "
+        "Each is also the record's `notes` in %devhistory -o.",
+    ).tag(config=True)
+
     _shell: InteractiveShell | None = None
 
     def __init__(self, shell: InteractiveShell | None) -> None:
@@ -135,6 +144,7 @@ class TorchDeviceMagics(Magics):
         # (a configured set_torch_default reaches the session that way).
         self.reporter = CellReporter()
         self.session = Session()
+        self._advisor: Advisor | None = None  # made with the shell, once
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._profiling = False  # a %%profile cell is running
         self.traces = TraceFiles()  # %%profile's unnamed traces: the last one is kept
@@ -161,7 +171,7 @@ class TorchDeviceMagics(Magics):
             raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
         return proposal.value
 
-    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync", "hints")
+    @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync", "hints", "advice")
     def _report_settings_changed(self, change: Any) -> None:
         self.apply_report_settings()
 
@@ -177,6 +187,9 @@ class TorchDeviceMagics(Magics):
         elif not self.auto_report and reporter.registered:
             reporter.unregister(self.shell)
         reporter.set_hint(self.shell, self._hint if self.hints else None)
+        if self.advice and self._advisor is None:
+            self._advisor = Advisor(self.shell)
+        reporter.advise = self._advisor.notes if self.advice and self._advisor else None
 
     def _hint(self, error: BaseException, source: str) -> str | None:
         failed, self._failed_under = self._failed_under, None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from .probes import (
 from .units import fmt_bytes, fmt_seconds
 from .workers import NONE, CellWorkers, ChildWatch, Workers, with_device_memory
 
+if TYPE_CHECKING:
+    from .advice import Note
+
 
 @dataclass(slots=True)
 class Measurement:
@@ -55,6 +58,10 @@ class Measurement:
     device_error: str | None = None  # an accelerator error that surfaced at the end-of-cell sync
     # The cell's child processes (workers.py); None: none seen (or not looked for).
     workers: CellWorkers | None = None
+    # The share of the cell in which a kernel ran on its CUDA device, in percent (NVML's
+    # samples; advice.py reads it for cells of 0.5 s and more); None where not read.
+    gpu_busy: float | None = None
+    notes: tuple[Note, ...] = ()  # what to act on (advice.py); () for an ordinary cell
 
     @staticmethod
     def field_names() -> list[str]:
@@ -112,6 +119,10 @@ class Measurement:
             line += f" | a {kind} error surfaced at the end of the cell: {self.device_error}"
         return line
 
+    def text(self, note: str = "") -> str:
+        """The line, and under it the cell's notes, one a line."""
+        return "\n".join((self.summary(note), *map(str, self.notes)))
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -119,12 +130,13 @@ class Measurement:
         return self.bundle()
 
     def bundle(self, note: str = "") -> dict[str, str]:
-        """The line as text and as a small grey HTML line."""
+        """The line (and the notes under it) as text and as small grey HTML lines."""
         text = self.summary(note)
+        notes = "".join(f"<div>{html.escape(str(n))}</div>" for n in self.notes)
         return {
-            "text/plain": text,
+            "text/plain": self.text(note) if self.notes else text,
             "text/html": f'<div class="tdm-report" style="font-size:smaller;opacity:.7">'
-            f"{html.escape(text)}</div>",
+            f"{html.escape(text)}{notes}</div>",
         }
 
 

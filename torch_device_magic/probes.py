@@ -772,6 +772,34 @@ def nvml_device_processes() -> tuple[dict[str, dict[int, int]] | None, str]:
     return found, ""
 
 
+def nvml_busy_percent(index: int, since_us: int, pids: set[int]) -> float | None:
+    """How busy CUDA device `index` was since `since_us` (NVML's clock: microseconds of
+    wall time), in percent of the time a kernel ran, from NVML's own sample buffers: the
+    device's utilisation samples, and, where other processes ran kernels there, only
+    those of `pids` (this process and its workers). None where NVML gives no samples, or
+    where the busy processes are none of `pids` (a container that hides their ids).
+    Two NVML calls; no polling."""
+    module = nvml()
+    uuid = guarded(lambda: str(torch.cuda.get_device_properties(index).uuid))
+    if module is None or uuid is None:
+        return None
+    handle = nvml_handle(module, uuid)
+    if handle is None:
+        return None
+    kind = getattr(module, "NVML_GPU_UTILIZATION_SAMPLES", 1)
+    found = guarded(module.nvmlDeviceGetSamples, handle, kind, since_us)
+    samples = [s for s in (found or (None, []))[1] if s.timeStamp > since_us]
+    if not samples:  # NVML raises NotFound for none: an idle GPU, a bare container
+        return None
+    device = sum(s.sampleValue.uiVal for s in samples) / len(samples)
+    per_process = guarded(module.nvmlDeviceGetProcessUtilization, handle, since_us) or []
+    per_process = [p for p in per_process if p.timeStamp > since_us and p.smUtil]
+    if not any(p.pid not in pids for p in per_process):
+        return device  # the device's figure is ours alone
+    ours = [p.smUtil for p in per_process if p.pid in pids]
+    return None if not ours else min(device, sum(ours) / len(samples))
+
+
 def nvml_cuda_driver_version() -> int | None:
     """The newest CUDA the driver runs, as NVML writes it (12040 is CUDA 12.4), or None."""
     module = nvml()

@@ -1,0 +1,477 @@
+"""Notes: one line each, under the report line, only where a cell left something to act on.
+
+    In [7]: pred = model(x)          # model.eval(), autograd on
+    time 1.2 s | host +412.0 MiB (peak 530.1 MiB)
+    pred keeps an autograd graph holding 412.0 MiB: for inference run the cell under
+    %%nograd, or torch.no_grad()
+
+This module is the one place where each note's text and threshold live: a `Note` is a
+small record (rule, figure, threshold, where, text), made by the plain functions below,
+which `%%profile`'s advice can call too. `Advisor.notes` looks after each cell. What it
+looks at on an ordinary cell costs well under a microsecond: whether torch's compiler
+was imported (never importing it: that takes seconds) and recorded a compilation since
+the last cell, whether the cell displayed a result, and figures the report already read.
+Only a cell that passes such a cheap test gets the dearer look (its result's tensors,
+the autograd graph of its new names).
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from .probes import free_and_total, guarded, nvml_busy_percent
+from .units import fmt_bytes, fmt_seconds
+
+_log = logging.getLogger(__name__)
+MiB = 2**20
+
+NEAR_CAPACITY_SHARE = 0.90  # a cell's device peak at this share of the device's memory
+DISPLAYED_MIN_BYTES = 256 * MiB  # a displayed result this large is said (any device) ...
+DISPLAYED_SHARE = 0.05  # ... and one holding this share of an accelerator's memory
+INFERENCE_MIN_BYTES = 64 * MiB  # an autograd graph kept by an inference cell, this large
+BUSY_MIN_S = 0.5  # a CUDA cell this long gets its GPU's busy share read (NVML) ...
+BUSY_LOW = 50.0  # ... and a note below this percent busy
+IDLE_MAX = 5.0  # at most this busy, while holding IDLE_HELD_BYTES: the GPU sat idle
+IDLE_HELD_BYTES = 1024 * MiB
+_MAX_ITEMS = 1000  # a displayed container longer than this is not looked into
+_MAX_NODES = 100_000  # an autograd graph is walked this far, no further
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """One note: which rule made it, the figure it found, the threshold it crossed (None:
+    the rule has none), where (a name, a function, a line), and the line to show."""
+
+    rule: str
+    text: str
+    figure: float | None = None
+    threshold: float | None = None
+    where: str | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# --- the notes' texts ---------------------------------------------------------------------
+
+
+def near_capacity(device: str, peak_bytes: int, total_bytes: int) -> Note | None:
+    """The cell's peak reached NEAR_CAPACITY_SHARE of the device's memory."""
+    share = peak_bytes / total_bytes
+    if share < NEAR_CAPACITY_SHARE:
+        return None
+    return Note("near_capacity", f"peak at {share:.0%} of {device}: a larger batch will likely "
+                "run out of memory; see %%profile --memory", share, NEAR_CAPACITY_SHARE, device)
+
+
+def displayed(name: str, nbytes: int, device: str, total_bytes: int | None) -> Note | None:
+    """The displayed result (`Out[n]`, `_`) keeps `nbytes` of tensors alive on `device`."""
+    limit = DISPLAYED_MIN_BYTES
+    if total_bytes:
+        limit = min(limit, int(DISPLAYED_SHARE * total_bytes))
+    if nbytes < limit:
+        return None
+    fix = "end the line with ';'" + (f" or del {name}" if name.startswith("Out[") else "")
+    return Note("displayed", f"{name} keeps {fmt_bytes(nbytes)} on {device}: {fix}",
+                nbytes, limit, name)
+
+
+def inference(names: list[str], nbytes: int) -> Note | None:
+    """New names of an inference cell (no backward, modules in eval mode) keep a graph."""
+    if nbytes < INFERENCE_MIN_BYTES:
+        return None
+    who = ", ".join(names)
+    verb = "keeps" if len(names) == 1 else "keep"
+    return Note("inference", f"{who} {verb} an autograd graph holding {fmt_bytes(nbytes)}: for "
+                "inference run the cell under %%nograd, or torch.no_grad()",
+                nbytes, INFERENCE_MIN_BYTES, who)
+
+
+def gpu_busy(device: str, percent: float, held_bytes: int | None) -> Note | None:
+    """The cell's CUDA device ran kernels `percent` of the cell's time."""
+    if percent >= BUSY_LOW:
+        return None
+    if percent <= IDLE_MAX and (held_bytes or 0) >= IDLE_HELD_BYTES:
+        return Note("gpu_idle", f"{device} held {fmt_bytes(held_bytes)} and was busy "
+                    f"{percent:.0f}% of the cell: the GPU waited, on input or on Python; "
+                    "%%profile shows where",
+                    percent, IDLE_MAX, device)
+    return Note("gpu_busy", f"GPU busy {percent:.0f}% of the cell: the GPU waited, on input "
+                "or on Python; %%profile shows where", percent, BUSY_LOW, device)
+
+
+def compiled(function: str, frames: int, seconds: float) -> Note:
+    plural = "s" if frames != 1 else ""
+    return Note("compiled", f"compiled {function}: {frames} frame{plural} in "
+                f"{fmt_seconds(seconds)}", seconds, None, function)
+
+
+def recompiled(function: str, reason: str, count: int, limit: int | None,
+               times: int = 1) -> Note:
+    """`function` compiled again `times` times in the cell, the last for `reason`; it now
+    has `count` compiled versions of the `limit` that torch allows."""
+    again = "" if times == 1 else f" {times} times"
+    of = "" if limit is None else f" ({count} of {limit} before the recompile limit)"
+    return Note("recompiled", f"recompiled {function}{again}: {reason}{of}",
+                count, limit, function)
+
+
+def graph_break(function: str, line: int | None, reason: str) -> Note:
+    at = "" if line is None else f" at line {line}"
+    return Note("graph_break", f"graph break in {function}{at}: {reason}", line, None, function)
+
+
+def recompile_limit(function: str, limit: int | None, reason: str) -> Note:
+    of = "" if limit is None else f" ({limit})"
+    why = f"; the last reason: {reason}" if reason else ""
+    return Note("recompile_limit", f"{function} hit the recompile limit{of} and now runs "
+                f"uncompiled{why}", limit, limit, function)
+
+
+def cudagraphs_skipped(function: str, reason: str) -> Note:
+    return Note("cudagraphs_skipped", f"CUDA graphs skipped for {function}: {reason}",
+                None, None, function)
+
+
+# --- looking after a cell -----------------------------------------------------------------
+
+
+class Advisor:
+    """Makes a cell's notes from its record, its result and the shell's namespace."""
+
+    def __init__(self, shell: Any) -> None:
+        self._shell = shell
+        self._totals: dict[str, int | None] = {}  # device name: total bytes, read once
+        self._seen: object = _last_compilation()  # torch's last compilation record seen
+
+    def notes(self, record: Any, result: Any) -> tuple[Note, ...]:
+        """The notes for a cell just measured; () for an ordinary cell, and where looking
+        failed (a user's object that raises when looked at: logged at debug level).
+
+        An ordinary cell (nothing compiled, nothing displayed, little memory kept, no
+        accelerator) costs a few comparisons here, and nothing more."""
+        utils = sys.modules.get("torch._dynamo.utils")  # only where the user's code imported it
+        compiled = utils is not None and self._compiled(utils)
+        if not (compiled or getattr(result, "result", None) is not None
+                or record.device is not None
+                or (record.host_delta_bytes or 0) >= INFERENCE_MIN_BYTES):
+            return ()
+        try:
+            return tuple(self._notes(record, result, utils if compiled else None))
+        except (Exception, KeyboardInterrupt):
+            _log.debug("making the cell's notes failed", exc_info=True)
+            return ()
+
+    def _compiled(self, utils: Any) -> bool:
+        """Whether torch recorded a compilation since the last cell."""
+        records: Any = getattr(utils, "_compilation_metrics", None)
+        return bool(records) and records[-1] is not self._seen
+
+    def _notes(self, record: Any, result: Any, utils: Any) -> Iterator[Note]:
+        if utils is not None:
+            yield from self._compilations(utils)
+        value = getattr(result, "result", None)
+        if value is not None:
+            found = self._displayed(value, getattr(result, "execution_count", None))
+            if found is not None:
+                yield found
+        kept = max(record.device_delta_bytes or 0, record.host_delta_bytes or 0)
+        if kept >= INFERENCE_MIN_BYTES:
+            found = self._inference(getattr(getattr(result, "info", None), "raw_cell", ""))
+            if found is not None:
+                yield found
+        if record.device is not None and record.device_peak_bytes:
+            found = self._near_capacity(record)
+            if found is not None:
+                yield found
+        if record.wall_s >= BUSY_MIN_S and (record.device or "").startswith("cuda"):
+            found = self._busy(record)
+            if found is not None:
+                yield found
+
+    def _busy(self, record: Any) -> Note | None:
+        """Read how busy the cell's GPU was over the cell (NVML), into the record."""
+        index = torch.device(record.device).index or 0
+        since_us = int((time.time() - record.wall_s) * 1e6)
+        record.gpu_busy = nvml_busy_percent(index, since_us, _our_pids())
+        if record.gpu_busy is None:
+            return None
+        return gpu_busy(record.device, record.gpu_busy, record.device_allocated_bytes)
+
+    def total_bytes(self, device: str) -> int | None:
+        """The device's memory, read once per device; None for the CPU."""
+        if device not in self._totals:
+            self._totals[device] = None if device == "cpu" else _total_bytes(device)
+        return self._totals[device]
+
+    def _near_capacity(self, record: Any) -> Note | None:
+        if record.device_allocated_bytes is None or record.device_delta_bytes is None:
+            return None
+        total = self.total_bytes(record.device)
+        if not total:
+            return None
+        start = record.device_allocated_bytes - record.device_delta_bytes
+        return near_capacity(record.device, start + record.device_peak_bytes, total)
+
+    def _displayed(self, value: object, cell: int | None) -> Note | None:
+        held = _tensor_bytes(value)
+        if not held:
+            return None
+        device, nbytes = max(held.items(), key=lambda item: item[1])
+        out = self._shell.user_ns.get("Out", {})
+        name = f"Out[{cell}]" if cell is not None and out.get(cell) is value else "_"
+        return displayed(name, nbytes, device, self.total_bytes(device))
+
+    def _inference(self, source: str) -> Note | None:
+        """A cell that called modules, all in eval mode, and no backward, whose new names
+        carry an autograd graph."""
+        if "backward" in source or not torch.is_grad_enabled():
+            return None
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # a cell magic's text, or IPython's own syntax
+            return None
+        ns = self._shell.user_ns
+        modules = [m for m in _called(tree, ns) if isinstance(m, torch.nn.Module)]
+        if not modules or any(m.training for m in modules):
+            return None
+        names = [n for n in _assigned(tree) if _graph_roots(ns.get(n))]
+        if not names:
+            return None
+        skip = {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+        skip.update(_storage_key(v) for v in ns.values() if isinstance(v, torch.Tensor))
+        roots = [fn for n in names for fn in _graph_roots(ns[n])]
+        return inference(names, _saved_bytes(roots, skip))
+
+    def _compilations(self, utils: Any) -> Iterator[Note]:
+        """Notes on what torch's compiler recorded since the last cell: compiles, graph
+        breaks, recompiles and their reasons, the recompile limit, skipped CUDA graphs."""
+        records = utils._compilation_metrics
+        new = []
+        for entry in reversed(records):
+            if entry is self._seen:
+                break
+            new.append(entry)
+        new.reverse()
+        self._seen = records[-1]
+        yield from _compile_notes(new, list(records), _recompile_limit())
+
+
+def _our_pids() -> set[int]:
+    """This process and its workers."""
+    me = psutil.Process()
+    children = guarded(me.children, True) or []
+    return {me.pid, *(c.pid for c in children)}
+
+
+def recompile_limit_reasons() -> tuple[str, list[str]]:
+    """The function that last hit torch.compile's recompile limit, and the reasons torch
+    recorded for its recompiles (oldest first, each once); ("a function", []) where torch
+    recorded none. For the hint after a cell that failed there (`fullgraph=True`)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    everything = list(getattr(utils, "_compilation_metrics", ()))
+    hit = next((e for e in reversed(everything) if _hit_limit(e)), None)
+    if hit is None:
+        return "a function", []
+    frame = str(hit.compile_id).split("/")[0]
+    reasons = [_reason(e.recompile_reason) for e in everything
+               if e.recompile_reason and str(e.compile_id).split("/")[0] == frame]
+    return _function(hit, everything)[0], list(dict.fromkeys(reasons))
+
+
+def _hit_limit(entry: Any) -> bool:
+    """Whether a compilation record is a function reaching the recompile limit (an error
+    under fullgraph=True, else the function runs uncompiled)."""
+    fail = entry.fail_reason or ""
+    return (entry.fail_type == "FailOnRecompileLimitHit" or "recompile limit" in fail
+            or "cache size limit" in fail)
+
+
+def _last_compilation() -> object:
+    utils = sys.modules.get("torch._dynamo.utils")
+    records = getattr(utils, "_compilation_metrics", None)
+    return records[-1] if records else None
+
+
+def _recompile_limit() -> int | None:
+    config = sys.modules.get("torch._dynamo.config")
+    limit = getattr(config, "recompile_limit", getattr(config, "cache_size_limit", None))
+    return limit if isinstance(limit, int) else None
+
+
+_RESUME = re.compile(r"torch_dynamo_resume_in_(\w+?)_at_(\d+)$")
+_COMPILE_ID = re.compile(r"^\[?(\d+)/\d+\]?:?\s*")
+
+
+def _function(entry: Any, everything: list[Any]) -> tuple[str, int | None]:
+    """The user's function an entry compiled (a graph break's resumed part counts as its
+    function), and the line a resumed part starts at."""
+    name = getattr(entry, "co_name", None)
+    if name is None:  # a failed compile: its frame's earlier records carry the name
+        frame = str(getattr(entry, "compile_id", "")).split("/")[0]
+        name = next((e.co_name for e in reversed(everything) if e.co_name
+                     and str(e.compile_id).split("/")[0] == frame), None)
+    if name is None:
+        return "a function", None
+    resumed = _RESUME.match(name)
+    return (resumed.group(1), int(resumed.group(2))) if resumed else (name, None)
+
+
+def _reason(text: str | None) -> str:
+    """torch's reason, made one short line: its explanation where it gives one."""
+    if not text:
+        return ""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    explained = next((line for line in lines if line.startswith("Explanation:")), None)
+    line = explained.removeprefix("Explanation:").strip() if explained else lines[0]
+    line = _COMPILE_ID.sub("", line).split("  #")[0].strip()
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
+def _compile_notes(new: list[Any], everything: list[Any], limit: int | None) -> Iterator[Note]:
+    """Per function: its first compiles, its recompiles (one note: the first reason, how
+    many), its graph breaks (a break's resumed part is compiled anew only the first
+    time), the recompile limit, skipped CUDA graphs."""
+    frames: dict[str, list[float]] = {}  # first compiles per function: their times
+    again: dict[str, tuple[str, int, int]] = {}  # recompiles: the last reason, count, times
+    breaks: dict[str, str] = {}  # a function's graph-break reason, waiting for its line
+    notes: list[Note] = []
+    for entry in new:
+        function, line = _function(entry, everything)
+        fail = entry.fail_reason or ""
+        if _hit_limit(entry):
+            notes.append(recompile_limit(function, limit, _reason(entry.recompile_reason)))
+            continue
+        first = not entry.cache_size
+        if entry.recompile_reason and not first:
+            why, count, times = again.get(function, (_reason(entry.recompile_reason), 0, 0))
+            # A resumed part recompiles with its function: one recompile of the function.
+            again[function] = (why, max(count, entry.cache_size + 1), times + (line is None))
+        elif first and not fail:
+            frames.setdefault(function, []).append(entry.entire_frame_compile_time_s or 0.0)
+        if entry.restart_reasons and first:
+            breaks[function] = _reason(sorted(entry.restart_reasons)[0])
+        if line is not None and first and function in breaks:
+            notes.append(graph_break(function, line, breaks.pop(function)))
+        if getattr(entry, "cudagraph_skip_reason", None):
+            notes.append(cudagraphs_skipped(function, _reason(entry.cudagraph_skip_reason)))
+    yield from (compiled(f, len(times), sum(times)) for f, times in frames.items())
+    yield from (recompiled(f, why, count, limit, times)
+                for f, (why, count, times) in again.items())
+    yield from (graph_break(f, None, why) for f, why in breaks.items())  # line unknown
+    yield from notes
+
+
+def _total_bytes(device: str) -> int | None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = guarded(torch.cuda.get_device_properties, dev.index or 0)
+        return getattr(props, "total_memory", None)
+    found = free_and_total(dev)
+    return None if found is None else found[1]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors in a displayed result: a tensor, or a short tuple, list or dict of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list, dict)) and len(value) <= _MAX_ITEMS:
+        items = value.values() if isinstance(value, dict) else value
+        yield from (v for v in items if isinstance(v, torch.Tensor))
+
+
+def _tensor_bytes(value: object) -> dict[str, int]:
+    """Bytes of storage the value's tensors keep alive, per device, each storage once."""
+    seen: set[tuple[str, int]] = set()
+    held: dict[str, int] = {}
+    for t in _tensors(value):
+        if t.is_sparse or t.device.type == "meta":
+            continue
+        key = _storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            held[key[0]] = held.get(key[0], 0) + t.untyped_storage().nbytes()
+    return held
+
+
+def _assigned(tree: ast.AST) -> list[str]:
+    """The names a cell binds at its top level, in order, each once."""
+    names: dict[str, None] = {}
+    for node in getattr(tree, "body", []):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Name):
+                    names[sub.id] = None
+    return list(names)
+
+
+def _called(tree: ast.AST, ns: dict[str, Any]) -> Iterator[Any]:
+    """The objects a cell calls by a name or a dotted name (`model(x)`, `net.head(x)`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            found = _lookup(node.func, ns)
+            if found is not None:
+                yield found
+
+
+def _lookup(node: ast.AST, ns: dict[str, Any]) -> Any:
+    if isinstance(node, ast.Name):
+        return ns.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = _lookup(node.value, ns)
+        return None if owner is None else getattr(owner, node.attr, None)
+    return None
+
+
+def _graph_roots(value: object) -> list[Any]:
+    """The autograd nodes of a value's tensors (a tensor, or a tuple, list or dict)."""
+    return [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
+
+
+_SAVED: dict[type, tuple[str, ...]] = {}  # per node type, its saved-tensor attributes
+
+
+def _saved_bytes(roots: Iterable[Any], skip: set[tuple[str, int]]) -> int:
+    """Bytes of the tensors the graphs behind `roots` saved for backward, each storage
+    once, less those in `skip` (the modules' weights, the namespace's tensors)."""
+    seen_nodes: set[int] = set()
+    seen = set(skip)
+    total = 0
+    todo = list(roots)
+    while todo and len(seen_nodes) < _MAX_NODES:
+        node = todo.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        kind = type(node)
+        if kind not in _SAVED:
+            _SAVED[kind] = tuple(a for a in dir(node) if a.startswith("_saved_"))
+        for attr in _SAVED[kind]:
+            try:
+                saved = getattr(node, attr)
+            except RuntimeError:  # freed by a backward already
+                continue
+            for t in saved if isinstance(saved, (tuple, list)) else (saved,):
+                if isinstance(t, torch.Tensor) and not t.is_sparse:
+                    key = _storage_key(t)
+                    if key not in seen:
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
+        todo.extend(fn for fn, _ in node.next_functions)
+    return total

@@ -93,6 +93,7 @@ def shape(line: str) -> str:
     line = FIGURE.sub("<n>", line)
     line = re.sub(r"(?<!\S)(?:n/a|-)(?!\S)", "<n>", line)
     line = re.sub(r"-{2,}", "--", line)
+    line = re.sub(r"^(slowest: line <n>.*? of the wall): .*", r"\1: <line>", line)  # timing's
     return re.sub(r" {2,}", " ", line)
 
 

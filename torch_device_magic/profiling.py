@@ -78,6 +78,7 @@ import torch
 from .errors import DeviceMagicError, first_sentence
 from .measure import Measurement, Meter
 from .probes import clock, runtime_up
+from .profile_advice import Advice, advise, read_setting
 from .reports import Table
 from .traces import LARGE_BYTES, TraceFiles
 from .units import fmt_bytes, fmt_seconds, plural
@@ -816,6 +817,7 @@ class ProfileReport:
     trace_temporary: bool = False  # the session's file, replaced by the next capture's
     steps: int = 0  # the iterations of the cell's outer loop that began
     full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
+    advice: list[Advice] = field(default_factory=list)  # what to change (profile_advice)
 
     @property
     def ops(self) -> list[OpRow]:
@@ -883,6 +885,8 @@ class ProfileReport:
             ))
         if self.timeline is not None:
             out.append(self.timeline)
+        if self.advice:
+            out.append(Table("advice", [], [], [a.text for a in self.advice]))
         return out
 
     def _line_table(self) -> Table:
@@ -1065,6 +1069,7 @@ class Capture:
         wall = measured.wall_s if measured is not None else max(
             (e.end_ns for e in events), default=0) / 1e9
         trace, trace_bytes = self._write_trace(prof, notes)
+        advice = self._advice(events, analysis, names, wall, cuda, measured, notes)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -1078,8 +1083,21 @@ class Capture:
             timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
             trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
             steps=tracer.steps if tracer is not None else 0,
-            full_steps=opts.steps if windowed else 0,
+            full_steps=opts.steps if windowed else 0, advice=advice,
         )
+
+    @staticmethod
+    def _advice(
+        events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
+        wall: float, cuda: bool, measured: Measurement | None, notes: list[str],
+    ) -> list[Advice]:
+        peak = measured.device_peak_bytes if measured is not None else None
+        try:
+            return advise(events, analysis, names, read_setting(wall, cuda, peak))
+        except Exception as err:  # ours: the profile itself is still shown
+            _log.debug("the advice failed", exc_info=True)
+            notes.append(f"the advice could not be made: {first_sentence(err, True)}")
+            return []
 
     def _timeline(self, prof: Any, recorder: Any, notes: list[str]) -> Any:
         """The memory timeline: the CUDA allocator's history where CUDA was used, else the

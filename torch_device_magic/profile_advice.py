@@ -73,9 +73,7 @@ def read_setting(wall_s: float, cuda: bool, peak_bytes: int | None) -> Setting:
     """The settings now; the device's only where CUDA was in use (nothing starts it)."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    setting = Setting(wall_s, cores, torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
+    setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark))
     if cuda:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -83,6 +81,13 @@ def read_setting(wall_s: float, cuda: bool, peak_bytes: int | None) -> Setting:
         setting.total_memory = props.total_memory
         setting.reserved_bytes = torch.cuda.memory_reserved()
     return setting
+
+
+def cores() -> int:
+    """The cores this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def advise(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,7 +110,7 @@ class _Facts:
         """The cell's line ('3') of a line range's name."""
         return self.line_names[line][0] if line in self.line_names else None
 
-    def top_line(self, weights: dict[str | None, float]) -> str | None:
+    def top_line(self, weights: Mapping[str | None, float]) -> str | None:
         named = {k: v for k, v in weights.items() if self.where(k) is not None}
         return self.where(max(named, key=named.__getitem__)) if named else None
 

@@ -156,14 +156,16 @@ def _loop(kernel_ns: int, launch_ns: int = 5_000, period: int = 100_000,
     c = Capture()
     for i in range(10):
         t = i * period
-        c.line(3, "y = model(x)", t, t + period)
+        c.line(3, "y = model(x)", t, t + launch_ns + 3)
+        c.line(4, "log.append(y.shape)", t + launch_ns + 3, t + period)
         c.launch("aten::mm", kernel, t, launch_ns, kernel_ns, parent="aten::matmul")
     return c
 
 
 def test_a_host_bound_device_is_advised_bigger_batches():
     [wait] = [a for a in _loop(20_000).advise(wall_s=1e-3) if a.rule.startswith("device")]
-    assert wait.rule == "device waits (host)" and wait.line == "3"
+    assert wait.rule == "device waits (host)" and wait.line == "4"  # the line the host ran
+    assert "most while line 4 ran" in wait.text
     assert wait.figure == pytest.approx(0.2) and wait.threshold == profile_advice.DEVICE_BUSY
     assert "busy 20% of the wall (under 50%)" in wait.text and "bigger batch" in wait.text
 
@@ -279,3 +281,85 @@ def test_autotuning_on_or_changing_shapes_are_not_advised_benchmark():
                                                                   cudnn_benchmark=True))
     changing = [((n, 3, 64, 64), (16, 3, 3, 3)) for n in (1, 2, 3, 4)]
     assert "cuDNN autotuning" not in rules(_convs(changing).advise(wall_s=4e-4))
+
+
+# --- the GPU rules on real cells (scripts/gpu-check runs them) --------------------------------
+
+
+@pytest.fixture
+def on_gpu(ip):
+    """x on the GPU before the capture (CUDA up: the capture records it)."""
+    ip.run_cell("x = torch.randn(1024, 1024, device='cuda'); torch.cuda.synchronize()")
+    benchmark = torch.backends.cudnn.benchmark
+    yield ip
+    torch.backends.cudnn.benchmark = benchmark
+
+
+def gpu_rules(ip, cell: str) -> dict[str, Advice]:
+    return {a.rule: a for a in profile(ip, "--steps 0", cell).advice}
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_device_waits_for_the_host_line(on_gpu):
+    got = gpu_rules(on_gpu, "for _ in range(20):\n    y = x @ x\n"
+                            "    s = sum(i * i for i in range(20000))")
+    assert got["device waits (host)"].line == "3"
+    assert "device waits (host)" not in gpu_rules(on_gpu, "for _ in range(20):\n    y = x @ x")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_tiny_kernels_wait_for_their_launches(on_gpu):
+    got = gpu_rules(on_gpu, "t = torch.ones(16, device='cuda')\nfor _ in range(300):\n"
+                            "    t = t + 1")
+    assert got["device waits (launch)"].line == "3"
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_an_item_in_a_loop_is_a_sync_wait(on_gpu):
+    on_gpu.run_cell("v = torch.randn(64, 64, device='cuda')")
+    got = gpu_rules(on_gpu, "for _ in range(50):\n    s = (v @ v).sum().item()")
+    assert ".item() 50 times on line 2" in got["device waits (sync)"].text
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_fp32_matmuls_are_advised_tensor_cores(on_gpu):
+    if torch.cuda.get_device_capability() < (7, 0):
+        pytest.skip("no tensor cores on this device")
+    assert gpu_rules(on_gpu, "for _ in range(3):\n    y = x @ x")["tensor cores"].line == "2"
+    quiet = gpu_rules(on_gpu, "with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+                              "    for _ in range(3):\n        y = x @ x")
+    assert "tensor cores" not in quiet
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
+    total = torch.cuda.get_device_properties(0).total_memory
+    free, _ = torch.cuda.mem_get_info()
+    size = int(total * 0.92) - torch.cuda.memory_allocated()
+    if size > free - 2**28:
+        pytest.skip("not enough free device memory to reach 92%")
+    got = gpu_rules(on_gpu, f"big = torch.empty({size}, dtype=torch.uint8, device='cuda')\n"
+                            "del big")
+    assert got["memory"].figure > profile_advice.NEAR_CAPACITY
+    torch.cuda.empty_cache()
+    assert "memory" not in gpu_rules(on_gpu, "y = x @ x")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_pageable_copies_are_advised_pinning(on_gpu):
+    on_gpu.run_cell("h = torch.randn(2**20)\np = torch.randn(2**20).pin_memory()")
+    got = gpu_rules(on_gpu, "a = h.to('cuda')\nb = h.to('cuda')")
+    assert got["pageable copies"].line == "1" and "4.0 MiB" in got["pageable copies"].text
+    assert "pageable copies" not in gpu_rules(on_gpu, "a = p.to('cuda', non_blocking=True)\n"
+                                                      "b = p.to('cuda', non_blocking=True)")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_fixed_convolutions_are_advised_autotuning(on_gpu):
+    on_gpu.run_cell("conv = torch.nn.Conv2d(3, 16, 3).cuda()\n"
+                    "imgs = torch.randn(8, 3, 64, 64, device='cuda')\n"
+                    "torch.backends.cudnn.benchmark = False")
+    cell = "for _ in range(4):\n    out = conv(imgs)"
+    assert gpu_rules(on_gpu, cell)["cuDNN autotuning"].line == "2"
+    on_gpu.run_cell("torch.backends.cudnn.benchmark = True")
+    assert "cuDNN autotuning" not in gpu_rules(on_gpu, cell)

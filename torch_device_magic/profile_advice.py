@@ -36,10 +36,10 @@ SHORT_KERNELS = 0.50  # HTA: the share of kernels shorter than their launch
 _MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
                      "aten::linear", "aten::convolution", "aten::_convolution",
                      "aten::cudnn_convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d"})
-_CONV = frozenset({"aten::cudnn_convolution", "aten::convolution"})
-# kernel names of tensor-core GEMMs and convolutions (tb's list, and later archs')
-_TENSOR_CORE_MARKS = ("884", "1688", "16816", "hmma", "wmma", "xmma", "tensorop", "gmma",
-                      "bf16", "f16", "tf32", "h16", "s16")
+# kernel names of tensor-core GEMMs and convolutions (tb's list, and later archs'); an
+# xmma kernel of f32f32 types alone is not one
+_TENSOR_CORE_MARKS = ("884", "1688", "16816", "8816", "hmma", "wmma", "tensorop", "gmma",
+                      "tf32", "f16", "implicit_gemm")
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "hipLaunchKernel")
 
 
@@ -199,18 +199,21 @@ def device_waits(f: _Facts) -> Advice | None:
         return Advice("device waits (launch)", busy, DEVICE_BUSY, line, head + (
             f"{len(short):,} of {len(kernels):,} kernels{_on(line)} ran shorter than their "
             "launch; fuse them with torch.compile or CUDA graphs"))
+    from .profiling import _Timeline  # the cell's lines over time (profiling imports us)
+
+    timeline = _Timeline(f.of_kind("line"))
     gaps: dict[str | None, float] = defaultdict(float)
     device = sorted(f.of_kind("kernel", "memcpy", "memset"), key=lambda e: e.start_ns)
     end = device[0].end_ns if device else 0
     for d in device[1:]:
-        if d.start_ns > end:
-            gaps[d.line] += d.start_ns - end  # the line whose launch ended the wait
+        if d.start_ns > end:  # idle: the line the host ran meanwhile held it
+            gaps[timeline.at((end + d.start_ns) // 2)] += d.start_ns - end
         end = max(end, d.end_ns)
     line = f.top_line(gaps)
-    held = f" most before line {line}'s kernels" if line is not None else ""
+    held = f", most while line {line} ran" if line is not None else ""
     return Advice("device waits (host)", busy, DEVICE_BUSY, line, head + (
-        f"the CPU left it idle between kernels{held}; give it more work per launch (a bigger "
-        "batch), or move that line's work to the device"))
+        f"the host left it idle between kernels{held}; give it more work per launch (a "
+        "bigger batch), or move that line's work to the device"))
 
 
 def tensor_cores(f: _Facts) -> Advice | None:
@@ -275,10 +278,9 @@ def pageable_copies(f: _Facts) -> Advice | None:
 
 def cudnn_benchmark(f: _Facts) -> Advice | None:
     """Rule 9 (ours): convolutions of fixed shapes with cuDNN's autotuning off."""
-    if f.setting.cudnn_benchmark or not f.setting.cuda:
+    if f.setting.cudnn_benchmark:
         return None
-    convs = [e for e in f.of_kind("op") if e.name in _CONV and e.shapes
-             and not (e.parent is not None and e.parent.name in _CONV)]
+    convs = [e for e in f.of_kind("op") if e.name == "aten::cudnn_convolution" and e.shapes]
     if len(convs) < 2 or len({e.shapes for e in convs}) > len(convs) // 2:
         return None  # one call, or shapes that change: autotuning would not pay
     line = f.top_line(Counter(e.line for e in convs))

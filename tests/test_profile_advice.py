@@ -363,3 +363,27 @@ def test_on_a_gpu_fixed_convolutions_are_advised_autotuning(on_gpu):
     assert gpu_rules(on_gpu, cell)["cuDNN autotuning"].line == "2"
     on_gpu.run_cell("torch.backends.cudnn.benchmark = True")
     assert "cuDNN autotuning" not in gpu_rules(on_gpu, cell)
+
+
+# --- torch.compile (rule 10), on real cells ------------------------------------------------
+
+
+COMPILED = """import torch._dynamo
+@torch.compile(backend="eager")
+def double(t):
+    return t * 2
+double(torch.randn(3))"""
+
+
+def test_a_recompile_in_the_cell_names_the_function_and_the_reason(ip):
+    ip.run_cell(COMPILED)  # compiled once, before the profile
+    [re] = [a for a in profile(ip, "", "double(torch.randn(3, 4))").advice
+            if a.rule == "recompiles"]
+    assert re.figure == 1 and "recompiled 1 time in this cell, last double (" in re.text
+    assert "rank mismatch" in re.text and "mark_dynamic" in re.text
+
+
+def test_no_recompile_in_the_cell_is_not_advised(ip):
+    ip.run_cell(COMPILED)
+    ip.run_cell("double(torch.randn(3, 4))")  # recompiled before the profile
+    assert "recompiles" not in rules(profile(ip, "", "double(torch.randn(3, 4))").advice)

@@ -10,10 +10,11 @@ nowhere else. Thresholds marked "tb" are the removed TensorBoard profiler plugin
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .units import fmt_bytes, fmt_seconds
 
@@ -67,14 +68,30 @@ class Setting:
     peak_bytes: int | None = None  # the cell's peak allocated on the device
     reserved_bytes: int | None = None  # reserved by the caching allocator at the end
     cudnn_benchmark: bool = False
+    recompiles: list[tuple[str, str]] = field(default_factory=list)  # (function, reason)
 
 
-def read_setting(wall_s: float, cuda: bool, peak_bytes: int | None) -> Setting:
-    """The settings now; the device's only where CUDA was in use (nothing starts it)."""
+def compiles() -> list[Any]:
+    """torch.compile's record of its compilations so far, where the user's code imported
+    dynamo (importing it takes seconds: never here)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return list(utils.get_compilation_metrics()) if utils is not None else []
+
+
+def read_setting(
+    wall_s: float, cuda: bool, peak_bytes: int | None, compiled_before: Sequence[Any] = (),
+) -> Setting:
+    """The settings now; the device's only where CUDA was in use (nothing starts it), and
+    the recompiles since `compiled_before` (compiles() before the cell)."""
     import torch
 
+    before = {id(r) for r in compiled_before}
+    recompiles = [(f"{r.co_name} ({os.path.basename(r.co_filename or '')}:{r.co_firstlineno})",
+                   r.recompile_reason) for r in compiles()
+                  if id(r) not in before and getattr(r, "recompile_reason", None)]
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
-                      cudnn_benchmark=bool(torch.backends.cudnn.benchmark))
+                      cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+                      recompiles=recompiles)
     if cuda:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         setting.capability = (props.major, props.minor)
@@ -290,11 +307,23 @@ def cudnn_benchmark(f: _Facts) -> Advice | None:
         "True) to let cuDNN pick the fastest kernel"))
 
 
+def recompiles(f: _Facts) -> Advice | None:
+    """Rule 10 (ours): torch.compile recompiled during the cell."""
+    done = f.setting.recompiles
+    if not done:
+        return None
+    name, reason = done[-1]
+    return Advice("recompiles", float(len(done)), 0.0, None, (
+        f"torch.compile recompiled {len(done)} time{'s' if len(done) > 1 else ''} in this cell, "
+        f"last {name}: {reason}; keep that input fixed, or mark it dynamic "
+        "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True))"))
+
+
 def _line_key(where: str) -> tuple[int, str]:
     return (int(where), "") if where.isdigit() else (1 << 30, where)
 
 
 RULES: tuple[Callable[[_Facts], Advice | None], ...] = (
     input_pipeline, device_waits, tensor_cores, memory, pageable_copies, tiny_ops,
-    cpu_threads, cudnn_benchmark,
+    cpu_threads, cudnn_benchmark, recompiles,
 )

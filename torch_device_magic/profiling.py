@@ -78,7 +78,7 @@ import torch
 from .errors import DeviceMagicError, first_sentence
 from .measure import Measurement, Meter
 from .probes import clock, runtime_up
-from .profile_advice import Advice, advise, read_setting
+from .profile_advice import Advice, advise, compiles, read_setting
 from .reports import Table
 from .traces import LARGE_BYTES, TraceFiles
 from .units import fmt_bytes, fmt_seconds, plural
@@ -961,6 +961,7 @@ class Capture:
     source: str = ""  # the cell's code, for the memory timeline's labels
     loops: dict[int, range] = field(default_factory=dict)  # outer_loops(the cell's code)
     traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
+    _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles()
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -982,6 +983,7 @@ class Capture:
                     self.plain_from = ("no plain run to compare with: the one warm-up may have "
                                        "been this code's first run (--warmup 2 compares)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
+        self._compiled = compiles()  # torch.compile's record so far: the cell's come after
         heard: list[str] = []
         steps = opts.steps if opts.lines and self.loops else 0
         prof = _profiler(cuda, steps, opts.threads)
@@ -1086,14 +1088,14 @@ class Capture:
             full_steps=opts.steps if windowed else 0, advice=advice,
         )
 
-    @staticmethod
     def _advice(
-        events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
+        self, events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
         wall: float, cuda: bool, measured: Measurement | None, notes: list[str],
     ) -> list[Advice]:
         peak = measured.device_peak_bytes if measured is not None else None
         try:
-            return advise(events, analysis, names, read_setting(wall, cuda, peak))
+            setting = read_setting(wall, cuda, peak, self._compiled)
+            return advise(events, analysis, names, setting)
         except Exception as err:  # ours: the profile itself is still shown
             _log.debug("the advice failed", exc_info=True)
             notes.append(f"the advice could not be made: {first_sentence(err, True)}")

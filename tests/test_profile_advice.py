@@ -226,6 +226,10 @@ def test_a_peak_near_the_devices_memory_is_advised():
     [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=50 * GiB, total_memory=52 * GiB,
                                  reserved_bytes=80 * GiB) if a.rule == "memory"]
     assert "expandable_segments:True" in mem.text  # reserved far above allocated
+    [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=76 * GiB, total_memory=80 * GiB,
+                                 largest=("2", 60 * GiB, "h = model(x)")) if a.rule == "memory"]
+    assert mem.line == "2"  # --memory: the line whose allocation made the peak
+    assert mem.text.endswith("the largest allocation: line 2 (60.0 GiB): h = model(x)")
 
 
 def test_a_peak_well_under_the_devices_memory_is_not_advised():
@@ -338,9 +342,11 @@ def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
     size = int(total * 0.92) - torch.cuda.memory_allocated()
     if size > free - 2**28:
         pytest.skip("not enough free device memory to reach 92%")
-    got = gpu_rules(on_gpu, f"big = torch.empty({size}, dtype=torch.uint8, device='cuda')\n"
-                            "del big")
+    cell = f"y = x @ x\nbig = torch.empty({size}, dtype=torch.uint8, device='cuda')\ndel big"
+    got = gpu_rules(on_gpu, cell)
     assert got["memory"].figure > profile_advice.NEAR_CAPACITY
+    [mem] = [a for a in profile(on_gpu, "--memory", cell).advice if a.rule == "memory"]
+    assert mem.line == "2" and "the largest allocation: line 2" in mem.text
     torch.cuda.empty_cache()
     assert "memory" not in gpu_rules(on_gpu, "y = x @ x")
 

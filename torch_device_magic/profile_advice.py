@@ -69,6 +69,8 @@ class Setting:
     reserved_bytes: int | None = None  # reserved by the caching allocator at the end
     cudnn_benchmark: bool = False
     recompiles: list[tuple[str, str]] = field(default_factory=list)  # (function, reason)
+    largest: tuple[str, int, str] | None = None  # --memory: the largest allocation's line,
+    # its bytes and its code
 
 
 def compiles() -> list[Any]:
@@ -269,10 +271,14 @@ def memory(f: _Facts) -> Advice | None:
     if s.reserved_bytes and s.reserved_bytes > FRAGMENTED * s.peak_bytes:
         frag = (f"; reserved {fmt_bytes(s.reserved_bytes)} is far above it: "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    return Advice("memory", share, NEAR_CAPACITY, None, (
+    line, top = None, ""
+    if s.largest is not None:
+        line, size, code = s.largest
+        top = f"; the largest allocation: line {line} ({fmt_bytes(size)}): {code}"
+    return Advice("memory", share, NEAR_CAPACITY, line, (
         f"the peak {fmt_bytes(s.peak_bytes)} is {share:.0%} of the device's "
         f"{fmt_bytes(s.total_memory)} (over {NEAR_CAPACITY:.0%}): activation checkpointing, "
-        f"torch.autocast or a smaller batch{frag}"))
+        f"torch.autocast or a smaller batch{frag}{top}"))
 
 
 def pageable_copies(f: _Facts) -> Advice | None:

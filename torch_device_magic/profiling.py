@@ -1071,7 +1071,8 @@ class Capture:
         wall = measured.wall_s if measured is not None else max(
             (e.end_ns for e in events), default=0) / 1e9
         trace, trace_bytes = self._write_trace(prof, notes)
-        advice = self._advice(events, analysis, names, wall, cuda, measured, notes)
+        timeline = self._timeline(prof, recorder, notes) if opts.memory else None
+        advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -1082,7 +1083,7 @@ class Capture:
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
             plain_from=self.plain_from if self.plain_wall_s else None, partial=why,
             notes=notes, profiler=prof, sort=opts.sort,
-            timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
+            timeline=timeline,
             trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
             steps=tracer.steps if tracer is not None else 0,
             full_steps=opts.steps if windowed else 0, advice=advice,
@@ -1090,11 +1091,15 @@ class Capture:
 
     def _advice(
         self, events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
-        wall: float, cuda: bool, measured: Measurement | None, notes: list[str],
+        wall: float, cuda: bool, measured: Measurement | None, timeline: Any,
+        notes: list[str],
     ) -> list[Advice]:
         peak = measured.device_peak_bytes if measured is not None else None
         try:
             setting = read_setting(wall, cuda, peak, self._compiled)
+            top = timeline.largest[0] if timeline is not None and timeline.largest else None
+            if top is not None and top.line is not None:  # --memory: the peak's top line
+                setting.largest = (str(top.line), top.bytes, top.text)
             return advise(events, analysis, names, setting)
         except Exception as err:  # ours: the profile itself is still shown
             _log.debug("the advice failed", exc_info=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .units import fmt_bytes, fmt_seconds
+from .units import fmt_bytes, fmt_seconds, plural
 
 if TYPE_CHECKING:
     from .profiling import Analysis, Event
@@ -88,8 +88,7 @@ def read_setting(
     import torch
 
     before = {id(r) for r in compiled_before}
-    recompiles = [(f"{r.co_name} ({os.path.basename(r.co_filename or '')}:{r.co_firstlineno})",
-                   r.recompile_reason) for r in compiles()
+    recompiles = [(_function(r), r.recompile_reason) for r in compiles()
                   if id(r) not in before and getattr(r, "recompile_reason", None)]
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
@@ -107,6 +106,14 @@ def cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def _function(record: Any) -> str:
+    """'double (a cell's line 2)', 'forward (model.py:12)': a compilation record's frame."""
+    file = record.co_filename or ""
+    where = ("a cell's line" if file.startswith("<ipython-input") or "ipykernel" in file
+             else f"{os.path.basename(file)}:")
+    return f"{record.co_name} ({where}{'' if where.endswith(':') else ' '}{record.co_firstlineno})"
 
 
 def advise(
@@ -192,8 +199,9 @@ def cpu_threads(f: _Facts) -> Advice | None:
     else:
         return None
     return Advice("CPU threads", s.threads, s.cores, None, (
-        f"torch's CPU ops took {ops / s.wall_s:.0%} of the wall on {s.threads} threads, "
-        f"{why} the {s.cores} cores this process may use: torch.set_num_threads({s.cores})"))
+        f"torch's CPU ops took {ops / s.wall_s:.0%} of the wall on {plural(s.threads, 'thread')}"
+        f", {why} the {plural(s.cores, 'core')} this process may use: "
+        f"torch.set_num_threads({s.cores})"))
 
 
 def device_waits(f: _Facts) -> Advice | None:
@@ -320,7 +328,7 @@ def recompiles(f: _Facts) -> Advice | None:
         return None
     name, reason = done[-1]
     return Advice("recompiles", float(len(done)), 0.0, None, (
-        f"torch.compile recompiled {len(done)} time{'s' if len(done) > 1 else ''} in this cell, "
+        f"torch.compile recompiled {plural(len(done), 'time')} in this cell, "
         f"last {name}: {reason}; keep that input fixed, or mark it dynamic "
         "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True))"))
 

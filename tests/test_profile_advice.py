@@ -385,7 +385,8 @@ def test_a_recompile_in_the_cell_names_the_function_and_the_reason(ip):
     ip.run_cell(COMPILED)  # compiled once, before the profile
     [re] = [a for a in profile(ip, "", "double(torch.randn(3, 4))").advice
             if a.rule == "recompiles"]
-    assert re.figure == 1 and "recompiled 1 time in this cell, last double (a cell's line 2)" in re.text
+    assert re.figure == 1
+    assert "recompiled 1 time in this cell, last double (a cell's line 2)" in re.text
     assert "rank mismatch" in re.text and "mark_dynamic" in re.text
 
 

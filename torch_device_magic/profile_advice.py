@@ -111,9 +111,9 @@ def cores() -> int:
 def _function(record: Any) -> str:
     """'double (a cell's line 2)', 'forward (model.py:12)': a compilation record's frame."""
     file = record.co_filename or ""
-    where = ("a cell's line" if file.startswith("<ipython-input") or "ipykernel" in file
-             else f"{os.path.basename(file)}:")
-    return f"{record.co_name} ({where}{'' if where.endswith(':') else ' '}{record.co_firstlineno})"
+    if file.startswith("<ipython-input") or "ipykernel" in file:
+        return f"{record.co_name} (a cell's line {record.co_firstlineno})"
+    return f"{record.co_name} ({os.path.basename(file)}:{record.co_firstlineno})"
 
 
 def advise(

@@ -195,6 +195,21 @@ def test_a_sync_bound_device_is_advised_to_keep_values_on_it():
     assert ".item() 3 times on line 5" in wait.text and "on the device until the end" in wait.text
 
 
+def test_boolean_mask_indexing_in_a_loop_is_a_sync_wait():
+    c = _loop(20_000)
+    for i in range(3):  # x[x > 0]: aten::index syncs in its nonzero to size the result
+        t = 1_000_000 + 100 * i
+        c.line(6, "pos = y[y > 0]", t, t + 100)
+        c.events += [
+            Event("aten::index", "op", t + 5, t + 95, correlation=80 + i),
+            Event("aten::nonzero", "op", t + 10, t + 90, correlation=90 + i),
+            Event("cudaMemcpyAsync", "runtime", t + 30, t + 40, linked=90 + i),
+            Event("cudaStreamSynchronize", "runtime", t + 40, t + 70, linked=90 + i),
+        ]
+    [wait] = [a for a in c.advise(wall_s=2e-3) if a.rule.startswith("device")]
+    assert "boolean-mask indexing 3 times on line 6" in wait.text
+
+
 def test_a_busy_device_is_not_advised_about_waits():
     assert not [a for a in _loop(90_000).advise(wall_s=1e-3) if a.rule.startswith("device")]
 
@@ -323,6 +338,13 @@ def test_on_a_gpu_an_item_in_a_loop_is_a_sync_wait(on_gpu):
     on_gpu.run_cell("v = torch.randn(64, 64, device='cuda')")
     got = gpu_rules(on_gpu, "for _ in range(50):\n    s = (v @ v).sum().item()")
     assert ".item() 50 times on line 2" in got["device waits (sync)"].text
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_mask_in_a_loop_is_a_sync_wait(on_gpu):
+    on_gpu.run_cell("v = torch.randn(64, 64, device='cuda')")
+    got = gpu_rules(on_gpu, "for _ in range(50):\n    p = v[v > 0]")
+    assert "boolean-mask indexing 50 times on line 2" in got["device waits (sync)"].text
 
 
 @pytest.mark.cuda

@@ -90,8 +90,12 @@ _SYNC_CALLS = frozenset({
     "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy",
 })
 _ITEM = frozenset({"aten::item", "aten::_local_scalar_dense"})
+# the outermost op around a synchronising call names the read (print(tensor) reads
+# by .item() and .cpu(); .tolist() by .cpu())
 _READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
-          "aten::to": ".cpu()/.to()", "aten::_to_copy": ".cpu()/.to()", "aten::copy_": ".copy_()"}
+          "aten::to": ".cpu()/.to()/.tolist()", "aten::_to_copy": ".cpu()/.to()/.tolist()",
+          "aten::copy_": ".copy_()", "aten::nonzero": "nonzero()",
+          "aten::index": "boolean-mask indexing", "aten::masked_select": "boolean-mask indexing"}
 _log = logging.getLogger(__name__)
 _NOISE = ("profiler_start", "profiler_stop", "Completed Stage:", "ActivityProfilerController",
           "Memory block of unknown size was allocated before the profiling started")

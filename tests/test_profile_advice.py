@@ -89,6 +89,27 @@ for (batch,) in loader:
     assert "input pipeline" not in rules(report.advice)
 
 
+def test_with_a_cuda_device_the_loader_advice_adds_pinned_copies():
+    events = [Event("tdm:In[1] 2: for batch in loader:", "line", 0, 1_000_000),
+              Event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "op",
+                    10, 500_000)]
+    names = {events[0].name: ("2", "for batch in loader:")}
+    advice = advise(events, analyse(events, names), names, Setting(1e-3, cores=4, cuda=True))
+    [pipe] = [a for a in advice if a.rule == "input pipeline"]
+    assert pipe.line == "2" and "num_workers=3 (4 cores)" in pipe.text
+    assert "pin_memory=True with .to(device, non_blocking=True)" in pipe.text
+
+
+def test_a_fault_in_a_rule_leaves_the_profile_and_says_so(ip, monkeypatch):
+    def broken(facts):
+        raise ZeroDivisionError("a rule's own bug")
+
+    monkeypatch.setattr(profile_advice, "RULES", (broken,))
+    report = profile(ip, "", "y = torch.ones(3) + 1")
+    assert report.advice == [] and report.lines and ip.user_ns["y"].tolist() == [2.0] * 3
+    assert any(n.startswith("the advice could not be made: ") for n in report.notes)
+
+
 MATMULS = "for _ in range(4):\n    y = torch.randn(400, 400) @ torch.randn(400, 400)"
 
 

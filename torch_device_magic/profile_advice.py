@@ -121,13 +121,16 @@ def advise(
     setting: Setting,
 ) -> list[Advice]:
     """Every rule's advice for one capture, in the rules' order."""
-    facts = _Facts(events, analysis, line_names, setting)
+    by_kind: dict[str, list[Event]] = defaultdict(list)
+    for e in events:  # one pass: a capture may hold 100,000 events
+        by_kind[e.kind].append(e)
+    facts = _Facts(by_kind, analysis, line_names, setting)
     return [a for rule in RULES if (a := rule(facts)) is not None]
 
 
 @dataclass(slots=True)
 class _Facts:
-    events: list[Event]
+    by_kind: dict[str, list[Event]]
     analysis: Analysis
     line_names: dict[str, tuple[str, str]]
     setting: Setting
@@ -141,7 +144,7 @@ class _Facts:
         return self.where(max(named, key=named.__getitem__)) if named else None
 
     def of_kind(self, *kinds: str) -> list[Event]:
-        return [e for e in self.events if e.kind in kinds]
+        return [e for kind in kinds for e in self.by_kind.get(kind, ())]
 
 
 def _on(line: str | None) -> str:

@@ -229,15 +229,13 @@ def device_waits(f: _Facts) -> Advice | None:
         return Advice("device waits (launch)", busy, DEVICE_BUSY, line, head + (
             f"{len(short):,} of {len(kernels):,} kernels{_on(line)} ran shorter than their "
             "launch; fuse them with torch.compile or CUDA graphs"))
-    from .profiling import _Timeline  # the cell's lines over time (profiling imports us)
-
-    timeline = _Timeline(f.of_kind("line"))
+    line_at = a.line_at or (lambda t: None)
     gaps: dict[str | None, float] = defaultdict(float)
     device = sorted(f.of_kind("kernel", "memcpy", "memset"), key=lambda e: e.start_ns)
     end = device[0].end_ns if device else 0
     for d in device[1:]:
         if d.start_ns > end:  # idle: the line the host ran meanwhile held it
-            gaps[timeline.at((end + d.start_ns) // 2)] += d.start_ns - end
+            gaps[line_at((end + d.start_ns) // 2)] += d.start_ns - end
         end = max(end, d.end_ns)
     line = f.top_line(gaps)
     held = f", most while line {line} ran" if line is not None else ""
@@ -259,7 +257,8 @@ def tensor_cores(f: _Facts) -> Advice | None:
             op = op.parent
         if op is not None:
             mats.append(k)
-    if not mats or any(m in k.name.lower() for k in mats for m in _TENSOR_CORE_MARKS):
+    names = {k.name.lower() for k in mats}  # a few distinct kernels, launched many times
+    if not mats or any(m in n for n in names for m in _TENSOR_CORE_MARKS):
         return None
     lines = sorted({w for k in mats if (w := f.where(k.line)) is not None}, key=_line_key)
     said = f" on line{'s' if len(lines) > 1 else ''} {', '.join(lines)}" if lines else ""

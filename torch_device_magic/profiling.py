@@ -273,6 +273,8 @@ class Analysis:
     copy_bytes: int | None  # None: the copies' sizes were not recorded
     syncs: int
     stalls: list[str]  # '.item() 100 times on line 5 (2 runs)'
+    line_at: Callable[[int], str | None] | None = field(default=None, repr=False)  # a time's
+    # innermost line range (the advice's)
 
 
 def analyse(
@@ -321,6 +323,7 @@ def analyse(
         copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
         syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
         stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
+        line_at=timeline.at,
     )
 
 

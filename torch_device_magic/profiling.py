@@ -78,6 +78,7 @@ import torch
 from .errors import DeviceMagicError, first_sentence
 from .measure import Measurement, Meter
 from .probes import clock, runtime_up
+from .profile_advice import Advice, advise, compiles, read_setting
 from .reports import Table
 from .traces import LARGE_BYTES, TraceFiles
 from .units import fmt_bytes, fmt_seconds, plural
@@ -89,8 +90,12 @@ _SYNC_CALLS = frozenset({
     "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy",
 })
 _ITEM = frozenset({"aten::item", "aten::_local_scalar_dense"})
+# the outermost op around a synchronising call names the read (print(tensor) reads
+# by .item() and .cpu(); .tolist() by .cpu())
 _READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
-          "aten::to": ".cpu()/.to()", "aten::_to_copy": ".cpu()/.to()", "aten::copy_": ".copy_()"}
+          "aten::to": ".cpu()/.to()/.tolist()", "aten::_to_copy": ".cpu()/.to()/.tolist()",
+          "aten::copy_": ".copy_()", "aten::nonzero": "nonzero()",
+          "aten::index": "boolean-mask indexing", "aten::masked_select": "boolean-mask indexing"}
 _log = logging.getLogger(__name__)
 _NOISE = ("profiler_start", "profiler_stop", "Completed Stage:", "ActivityProfilerController",
           "Memory block of unknown size was allocated before the profiling started")
@@ -268,6 +273,8 @@ class Analysis:
     copy_bytes: int | None  # None: the copies' sizes were not recorded
     syncs: int
     stalls: list[str]  # '.item() 100 times on line 5 (2 runs)'
+    line_at: Callable[[int], str | None] | None = field(default=None, repr=False)  # a time's
+    # innermost line range (the advice's)
 
 
 def analyse(
@@ -316,6 +323,7 @@ def analyse(
         copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
         syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
         stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
+        line_at=timeline.at,
     )
 
 
@@ -816,6 +824,7 @@ class ProfileReport:
     trace_temporary: bool = False  # the session's file, replaced by the next capture's
     steps: int = 0  # the iterations of the cell's outer loop that began
     full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
+    advice: list[Advice] = field(default_factory=list)  # what to change (profile_advice)
 
     @property
     def ops(self) -> list[OpRow]:
@@ -883,6 +892,8 @@ class ProfileReport:
             ))
         if self.timeline is not None:
             out.append(self.timeline)
+        if self.advice:
+            out.append(Table("advice", [], [], [a.text for a in self.advice]))
         return out
 
     def _line_table(self) -> Table:
@@ -957,6 +968,7 @@ class Capture:
     source: str = ""  # the cell's code, for the memory timeline's labels
     loops: dict[int, range] = field(default_factory=dict)  # outer_loops(the cell's code)
     traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
+    _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles()
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -978,6 +990,7 @@ class Capture:
                     self.plain_from = ("no plain run to compare with: the one warm-up may have "
                                        "been this code's first run (--warmup 2 compares)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
+        self._compiled = compiles()  # torch.compile's record so far: the cell's come after
         heard: list[str] = []
         steps = opts.steps if opts.lines and self.loops else 0
         prof = _profiler(cuda, steps, opts.threads)
@@ -1065,6 +1078,8 @@ class Capture:
         wall = measured.wall_s if measured is not None else max(
             (e.end_ns for e in events), default=0) / 1e9
         trace, trace_bytes = self._write_trace(prof, notes)
+        timeline = self._timeline(prof, recorder, notes) if opts.memory else None
+        advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -1075,11 +1090,28 @@ class Capture:
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
             plain_from=self.plain_from if self.plain_wall_s else None, partial=why,
             notes=notes, profiler=prof, sort=opts.sort,
-            timeline=self._timeline(prof, recorder, notes) if opts.memory else None,
+            timeline=timeline,
             trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
             steps=tracer.steps if tracer is not None else 0,
-            full_steps=opts.steps if windowed else 0,
+            full_steps=opts.steps if windowed else 0, advice=advice,
         )
+
+    def _advice(
+        self, events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
+        wall: float, cuda: bool, measured: Measurement | None, timeline: Any,
+        notes: list[str],
+    ) -> list[Advice]:
+        peak = measured.device_peak_bytes if measured is not None else None
+        try:
+            setting = read_setting(wall, cuda, peak, self._compiled)
+            top = timeline.largest[0] if timeline is not None and timeline.largest else None
+            if top is not None and top.line is not None:  # --memory: the peak's top line
+                setting.largest = (str(top.line), top.bytes, top.text)
+            return advise(events, analysis, names, setting)
+        except Exception as err:  # ours: the profile itself is still shown
+            _log.debug("the advice failed", exc_info=True)
+            notes.append(f"the advice could not be made: {first_sentence(err, True)}")
+            return []
 
     def _timeline(self, prof: Any, recorder: Any, notes: list[str]) -> Any:
         """The memory timeline: the CUDA allocator's history where CUDA was used, else the

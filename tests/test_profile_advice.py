@@ -1,0 +1,444 @@
+"""%%profile's advice: each rule fires on a cell (or events) where it should, and stays
+quiet where it should not.
+
+The CPU rules run on real cells; the rules that need a GPU get events shaped like a
+real CUDA capture's (kernels, their launches, memcpy kinds) and the device's settings,
+fed to `advise` as plain data. scripts/gpu-check runs a real cell for them on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_device_magic import profile_advice
+from torch_device_magic.profile_advice import Advice, Setting, advise
+from torch_device_magic.profiling import Event, analyse
+
+
+def profile(ip, line: str, cell: str):
+    return ip.run_cell(f"%%profile -o {line}\n{cell}").result
+
+
+def rules(advice: list[Advice]) -> list[str]:
+    return [a.rule for a in advice]
+
+
+@pytest.fixture
+def threads():
+    """The test may change torch's threads: put them back."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+# --- the CPU rules, on real cells -----------------------------------------------------------
+
+
+DEMO_LINE = "rows = [torch.randn(8) for _ in range(2000)]"
+
+
+def test_a_loop_of_tiny_ops_is_advised_one_batched_call(ip, capsys):
+    ip.run_cell(f"%%profile\n{DEMO_LINE}\nsampled = torch.stack(rows)")
+    out = capsys.readouterr().out
+    assert "advice" in out and "line 1 ran 2,002 times" in out and "torch.randn(2000, 8)" in out
+    assert ip.user_ns["sampled"].shape == (2000, 8)
+    report = profile(ip, "", f"{DEMO_LINE}\nsampled = torch.stack(rows)")
+    [tiny] = [a for a in report.advice if a.rule == "tiny ops"]
+    assert tiny.line == "1" and tiny.threshold == profile_advice.TINY_SHARE
+    assert tiny.figure > tiny.threshold and f"{tiny.figure:.0%} of the wall" in tiny.text
+
+
+def test_one_batched_call_gets_no_tiny_ops_advice(ip, capsys, monkeypatch):
+    monkeypatch.setattr(profile_advice, "cores", torch.get_num_threads)  # no threads advice
+    report = profile(ip, "", "sampled = torch.randn(2000, 8)\nrows = list(sampled)")
+    assert "tiny ops" not in rules(report.advice)
+    ip.run_cell("%%profile\nsampled = torch.randn(2000, 8) @ torch.randn(8, 8)")
+    assert "advice" not in capsys.readouterr().out  # nothing crosses: no section
+
+
+LOADER = """from torch.utils.data import DataLoader, Dataset
+class Slow(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        return torch.randn(64, 64) @ torch.randn(64, 64)
+loader = DataLoader(Slow(), batch_size=4{workers})
+total = 0.0
+for batch in loader:
+    total += float(batch.sum())"""
+
+
+def test_a_loader_in_the_cells_process_is_advised_workers(ip):
+    report = profile(ip, "--steps 0", LOADER.format(workers=""))
+    [pipe] = [a for a in report.advice if a.rule == "input pipeline"]
+    assert pipe.line == "9" and pipe.figure > profile_advice.LOADER_SHARE
+    assert f"num_workers={max(profile_advice.cores() - 1, 1)}" in pipe.text
+    assert "pin_memory" not in pipe.text  # no CUDA device here
+    assert isinstance(ip.user_ns["total"], float)
+
+
+def test_a_loader_with_workers_is_not_advised(ip):
+    report = profile(ip, "--steps 0", LOADER.format(workers=", num_workers=1"))
+    assert "input pipeline" not in rules(report.advice)
+
+
+def _loader_events(next_ns: int) -> tuple[list[Event], dict[str, tuple[str, str]]]:
+    """A loop line whose DataLoader __next__ took `next_ns` of a 1 ms wall."""
+    events = [Event("tdm:In[1] 2: for batch in loader:", "line", 0, 1_000_000),
+              Event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "op",
+                    10, 10 + next_ns)]
+    return events, {events[0].name: ("2", "for batch in loader:")}
+
+
+def test_a_loader_under_its_share_of_the_wall_is_not_advised():
+    events, names = _loader_events(40_000)  # 4%: under tb's 5%
+    advice = advise(events, analyse(events, names), names, Setting(1e-3, cores=4))
+    assert "input pipeline" not in rules(advice)
+
+
+def test_with_a_cuda_device_the_loader_advice_adds_pinned_copies():
+    events, names = _loader_events(500_000)
+    advice = advise(events, analyse(events, names), names, Setting(1e-3, cores=4, cuda=True))
+    [pipe] = [a for a in advice if a.rule == "input pipeline"]
+    assert pipe.line == "2" and "num_workers=3 (4 cores)" in pipe.text
+    assert "pin_memory=True with .to(device, non_blocking=True)" in pipe.text
+
+
+def test_a_fault_in_a_rule_leaves_the_profile_and_says_so(ip, monkeypatch):
+    def broken(facts):
+        raise ZeroDivisionError("a rule's own bug")
+
+    monkeypatch.setattr(profile_advice, "RULES", (broken,))
+    report = profile(ip, "", "y = torch.ones(3) + 1")
+    assert report.advice == [] and report.lines and ip.user_ns["y"].tolist() == [2.0] * 3
+    assert any(n.startswith("the advice could not be made: ") for n in report.notes)
+
+
+MATMULS = "for _ in range(4):\n    y = torch.randn(400, 400) @ torch.randn(400, 400)"
+
+
+def test_cpu_work_on_few_threads_is_advised_the_cores(ip, threads, monkeypatch):
+    monkeypatch.setattr(profile_advice, "cores", lambda: 8)
+    ip.run_cell("torch.set_num_threads(1)")
+    [cpu] = [a for a in profile(ip, "", MATMULS).advice if a.rule == "CPU threads"]
+    assert (cpu.figure, cpu.threshold) == (1, 8)
+    assert "on 1 thread, far below the 8 cores" in cpu.text
+    assert "torch.set_num_threads(8)" in cpu.text
+    assert torch.get_num_threads() == 1  # advised, not changed
+
+
+def test_cpu_work_on_more_threads_than_cores_is_advised(ip, threads, monkeypatch):
+    monkeypatch.setattr(profile_advice, "cores", lambda: 1)
+    ip.run_cell("torch.set_num_threads(2)")
+    [cpu] = [a for a in profile(ip, "", MATMULS).advice if a.rule == "CPU threads"]
+    assert "on 2 threads, above the 1 core" in cpu.text
+
+
+def test_threads_matching_the_cores_are_not_advised(ip, threads, monkeypatch):
+    monkeypatch.setattr(profile_advice, "cores", lambda: threads)
+    assert "CPU threads" not in rules(profile(ip, "", MATMULS).advice)
+
+
+# --- the GPU rules, on events shaped like a CUDA capture's ---------------------------------
+
+
+class Capture:
+    """Events as from_kineto reads them from a CUDA capture: a line range, the op, its
+    cudaLaunchKernel (correlation shared with its kernel; linked to the op) and the kernel."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.names: dict[str, tuple[str, str]] = {}
+        self._id = 0
+
+    def line(self, n: int, code: str, start: int, end: int) -> None:
+        name = f"tdm:In[1] {n}: {code}"
+        self.names[name] = (str(n), code)
+        self.events.append(Event(name, "line", start, end))
+
+    def launch(self, op: str, kernel: str, start: int, launch_ns: int, kernel_ns: int,
+               shapes: tuple = ((64, 64), (64, 64)), parent: str | None = None) -> None:
+        self._id += 1
+        op_id, cupti = self._id, 100_000 + self._id
+        end = start + launch_ns + 2
+        if parent is not None:
+            self.events.append(Event(parent, "op", start, end + 1, shapes=shapes))
+        self.events += [
+            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes),
+            Event("cudaLaunchKernel", "runtime", start + 1, start + 1 + launch_ns,
+                  correlation=cupti, linked=op_id),
+            Event(kernel, "kernel", start + launch_ns, start + launch_ns + kernel_ns,
+                  correlation=cupti, linked=op_id),
+        ]
+
+    def advise(self, **setting) -> list[Advice]:
+        a = analyse(self.events, self.names, device_in_use=True)
+        return advise(self.events, a, self.names, Setting(cuda=True, **setting))
+
+
+def _loop(kernel_ns: int, launch_ns: int = 5_000, period: int = 100_000,
+          kernel: str = "ampere_sgemm_64x64_nn") -> Capture:
+    c = Capture()
+    for i in range(10):
+        t = i * period
+        c.line(3, "y = model(x)", t, t + launch_ns + 3)
+        c.line(4, "log.append(y.shape)", t + launch_ns + 3, t + period)
+        c.launch("aten::mm", kernel, t, launch_ns, kernel_ns, parent="aten::matmul")
+    return c
+
+
+def test_a_host_bound_device_is_advised_bigger_batches():
+    [wait] = [a for a in _loop(20_000).advise(wall_s=1e-3) if a.rule.startswith("device")]
+    assert wait.rule == "device waits (host)" and wait.line == "4"  # the line the host ran
+    assert "most while line 4 ran" in wait.text
+    assert wait.figure == pytest.approx(0.2) and wait.threshold == profile_advice.DEVICE_BUSY
+    assert "busy 20% of the wall (under 50%)" in wait.text and "bigger batch" in wait.text
+
+
+def test_a_launch_bound_device_is_advised_compile_or_graphs():
+    [wait] = [a for a in _loop(2_000, period=10_000).advise(wall_s=1e-4)
+              if a.rule.startswith("device")]
+    assert wait.rule == "device waits (launch)" and wait.line == "3"
+    assert "10 of 10 kernels on line 3 ran shorter than their launch" in wait.text
+    assert "torch.compile or CUDA graphs" in wait.text
+
+
+def test_a_sync_bound_device_is_advised_to_keep_values_on_it():
+    c = _loop(20_000)
+    for i in range(3):  # a loop line that reads a value each time
+        t = 1_000_000 + 100 * i
+        c.line(5, "s += y.sum().item()", t, t + 100)
+        c.events += [
+            Event("aten::item", "op", t + 10, t + 90, correlation=50 + i),
+            Event("aten::_local_scalar_dense", "op", t + 20, t + 80, correlation=60 + i),
+            Event("cudaStreamSynchronize", "runtime", t + 40, t + 70, linked=60 + i),
+            Event("Memcpy DtoH (Device -> Pageable)", "memcpy", t + 30, t + 40,
+                  linked=60 + i, nbytes=4),
+        ]
+    [wait] = [a for a in c.advise(wall_s=2e-3) if a.rule.startswith("device")]
+    assert wait.rule == "device waits (sync)"
+    assert ".item() 3 times on line 5" in wait.text and "on the device until the end" in wait.text
+
+
+def test_boolean_mask_indexing_in_a_loop_is_a_sync_wait():
+    c = _loop(20_000)
+    for i in range(3):  # x[x > 0]: aten::index syncs in its nonzero to size the result
+        t = 1_000_000 + 100 * i
+        c.line(6, "pos = y[y > 0]", t, t + 100)
+        c.events += [
+            Event("aten::index", "op", t + 5, t + 95, correlation=80 + i),
+            Event("aten::nonzero", "op", t + 10, t + 90, correlation=90 + i),
+            Event("cudaMemcpyAsync", "runtime", t + 30, t + 40, linked=90 + i),
+            Event("cudaStreamSynchronize", "runtime", t + 40, t + 70, linked=90 + i),
+        ]
+    [wait] = [a for a in c.advise(wall_s=2e-3) if a.rule.startswith("device")]
+    assert "boolean-mask indexing 3 times on line 6" in wait.text
+
+
+def test_a_busy_device_is_not_advised_about_waits():
+    assert not [a for a in _loop(90_000).advise(wall_s=1e-3) if a.rule.startswith("device")]
+
+
+def test_fp32_matmuls_without_tensor_cores_are_advised_autocast():
+    [tc] = [a for a in _loop(90_000).advise(wall_s=1e-3, capability=(8, 0))
+            if a.rule == "tensor cores"]
+    assert tc.line == "3" and tc.figure == 10
+    assert "10 matmul/conv kernels on line 3 ran without tensor cores" in tc.text
+    assert "capability 8.0" in tc.text and "set_float32_matmul_precision('high')" in tc.text
+
+
+def test_tensor_core_kernels_or_an_older_device_are_not_advised_autocast():
+    bf16 = _loop(90_000, kernel="sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x32")
+    assert "tensor cores" not in rules(bf16.advise(wall_s=1e-3, capability=(8, 0)))
+    assert "tensor cores" not in rules(_loop(90_000).advise(wall_s=1e-3, capability=(6, 1)))
+
+
+GiB = 2**30
+
+
+def test_a_peak_near_the_devices_memory_is_advised():
+    c = _loop(90_000)
+    [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=76 * GiB, total_memory=80 * GiB,
+                                 reserved_bytes=78 * GiB) if a.rule == "memory"]
+    assert mem.figure == pytest.approx(0.95) and mem.threshold == profile_advice.NEAR_CAPACITY
+    assert "95% of the device's 80.0 GiB (over 90%)" in mem.text
+    assert "checkpointing" in mem.text and "expandable_segments" not in mem.text
+    [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=50 * GiB, total_memory=52 * GiB,
+                                 reserved_bytes=80 * GiB) if a.rule == "memory"]
+    assert "expandable_segments:True" in mem.text  # reserved far above allocated
+    [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=76 * GiB, total_memory=80 * GiB,
+                                 largest=("2", 60 * GiB, "h = model(x)")) if a.rule == "memory"]
+    assert mem.line == "2"  # --memory: the line whose allocation made the peak
+    assert mem.text.endswith("the largest allocation: line 2 (60.0 GiB): h = model(x)")
+
+
+def test_a_peak_well_under_the_devices_memory_is_not_advised():
+    advice = _loop(90_000).advise(wall_s=1e-3, peak_bytes=40 * GiB, total_memory=80 * GiB)
+    assert "memory" not in rules(advice)
+
+
+def _copies(kind: str) -> Capture:
+    c = _loop(90_000)
+    for i in range(2):
+        t = 2_000_000 + i * 10_000
+        c.line(2, "x = batch.to('cuda')", t, t + 10_000)
+        c.events += [
+            Event("aten::copy_", "op", t + 10, t + 9_000, correlation=70 + i),
+            Event(f"Memcpy HtoD ({kind} -> Device)", "memcpy", t + 100, t + 8_100,
+                  linked=70 + i, nbytes=2 * 2**20),
+        ]
+    return c
+
+
+def test_pageable_copies_are_advised_pinned_memory():
+    [copy] = [a for a in _copies("Pageable").advise(wall_s=3e-3) if a.rule == "pageable copies"]
+    assert copy.line == "2" and copy.figure == 4 * 2**20
+    assert "2 host-to-device copies on line 2 of 4.0 MiB from pageable memory took 16" in copy.text
+    assert ".pin_memory()" in copy.text and "non_blocking=True" in copy.text
+
+
+def test_pinned_copies_are_not_advised():
+    assert "pageable copies" not in rules(_copies("Pinned").advise(wall_s=3e-3))
+
+
+def _convs(shapes: list[tuple]) -> Capture:
+    c = Capture()
+    for i, s in enumerate(shapes):
+        t = i * 100_000
+        c.line(4, "out = net(images)", t, t + 100_000)
+        c.launch("aten::cudnn_convolution", "cudnn_infer_sm80_xmma_fprop_f16", t, 5_000, 80_000,
+                 shapes=s, parent="aten::convolution")
+    return c
+
+
+FIXED = [((32, 3, 64, 64), (16, 3, 3, 3))] * 4
+
+
+def test_fixed_shape_convolutions_without_autotuning_are_advised_benchmark():
+    [cudnn] = [a for a in _convs(FIXED).advise(wall_s=4e-4) if a.rule == "cuDNN autotuning"]
+    assert cudnn.line == "4" and "4 convolutions on line 4 of fixed shapes" in cudnn.text
+    assert "torch.backends.cudnn.benchmark = True" in cudnn.text
+
+
+def test_autotuning_on_or_changing_shapes_are_not_advised_benchmark():
+    assert "cuDNN autotuning" not in rules(_convs(FIXED).advise(wall_s=4e-4,
+                                                                  cudnn_benchmark=True))
+    changing = [((n, 3, 64, 64), (16, 3, 3, 3)) for n in (1, 2, 3, 4)]
+    assert "cuDNN autotuning" not in rules(_convs(changing).advise(wall_s=4e-4))
+
+
+# --- the GPU rules on real cells (scripts/gpu-check runs them) --------------------------------
+
+
+@pytest.fixture
+def on_gpu(ip):
+    """x on the GPU before the capture (CUDA up: the capture records it)."""
+    ip.run_cell("x = torch.randn(1024, 1024, device='cuda'); torch.cuda.synchronize()")
+    benchmark = torch.backends.cudnn.benchmark
+    yield ip
+    torch.backends.cudnn.benchmark = benchmark
+
+
+def gpu_rules(ip, cell: str) -> dict[str, Advice]:
+    return {a.rule: a for a in profile(ip, "--steps 0", cell).advice}
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_device_waits_for_the_host_line(on_gpu):
+    got = gpu_rules(on_gpu, "for _ in range(20):\n    y = x @ x\n"
+                            "    s = sum(i * i for i in range(20000))")
+    assert got["device waits (host)"].line == "3"
+    assert "device waits (host)" not in gpu_rules(on_gpu, "for _ in range(20):\n    y = x @ x")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_tiny_kernels_wait_for_their_launches(on_gpu):
+    got = gpu_rules(on_gpu, "t = torch.ones(16, device='cuda')\nfor _ in range(300):\n"
+                            "    t = t + 1")
+    assert got["device waits (launch)"].line == "3"
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_an_item_in_a_loop_is_a_sync_wait(on_gpu):
+    on_gpu.run_cell("v = torch.randn(64, 64, device='cuda')")
+    got = gpu_rules(on_gpu, "for _ in range(50):\n    s = (v @ v).sum().item()")
+    assert ".item() 50 times on line 2" in got["device waits (sync)"].text
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_mask_in_a_loop_is_a_sync_wait(on_gpu):
+    on_gpu.run_cell("v = torch.randn(64, 64, device='cuda')")
+    got = gpu_rules(on_gpu, "for _ in range(50):\n    p = v[v > 0]")
+    assert "boolean-mask indexing 50 times on line 2" in got["device waits (sync)"].text
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_fp32_matmuls_are_advised_tensor_cores(on_gpu):
+    if torch.cuda.get_device_capability() < (7, 0):
+        pytest.skip("no tensor cores on this device")
+    assert gpu_rules(on_gpu, "for _ in range(3):\n    y = x @ x")["tensor cores"].line == "2"
+    quiet = gpu_rules(on_gpu, "with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+                              "    for _ in range(3):\n        y = x @ x")
+    assert "tensor cores" not in quiet
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
+    total = torch.cuda.get_device_properties(0).total_memory
+    free, _ = torch.cuda.mem_get_info()
+    size = int(total * 0.92) - torch.cuda.memory_allocated()
+    if size > free - 2**28:
+        pytest.skip("not enough free device memory to reach 92%")
+    cell = f"y = x @ x\nbig = torch.empty({size}, dtype=torch.uint8, device='cuda')\ndel big"
+    got = gpu_rules(on_gpu, cell)
+    assert got["memory"].figure > profile_advice.NEAR_CAPACITY
+    [mem] = [a for a in profile(on_gpu, "--memory", cell).advice if a.rule == "memory"]
+    assert mem.line == "2" and "the largest allocation: line 2" in mem.text
+    torch.cuda.empty_cache()
+    assert "memory" not in gpu_rules(on_gpu, "y = x @ x")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_pageable_copies_are_advised_pinning(on_gpu):
+    on_gpu.run_cell("h = torch.randn(2**20)\np = torch.randn(2**20).pin_memory()")
+    got = gpu_rules(on_gpu, "a = h.to('cuda')\nb = h.to('cuda')")
+    assert got["pageable copies"].line == "1" and "4.0 MiB" in got["pageable copies"].text
+    assert "pageable copies" not in gpu_rules(on_gpu, "a = p.to('cuda', non_blocking=True)\n"
+                                                      "b = p.to('cuda', non_blocking=True)")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_fixed_convolutions_are_advised_autotuning(on_gpu):
+    on_gpu.run_cell("conv = torch.nn.Conv2d(3, 16, 3).cuda()\n"
+                    "imgs = torch.randn(8, 3, 64, 64, device='cuda')\n"
+                    "torch.backends.cudnn.benchmark = False")
+    cell = "for _ in range(4):\n    out = conv(imgs)"
+    assert gpu_rules(on_gpu, cell)["cuDNN autotuning"].line == "2"
+    on_gpu.run_cell("torch.backends.cudnn.benchmark = True")
+    assert "cuDNN autotuning" not in gpu_rules(on_gpu, cell)
+
+
+# --- torch.compile (rule 10), on real cells ------------------------------------------------
+
+
+COMPILED = """import torch._dynamo
+@torch.compile(backend="eager")
+def double(t):
+    return t * 2
+double(torch.randn(3))"""
+
+
+def test_a_recompile_in_the_cell_names_the_function_and_the_reason(ip):
+    ip.run_cell(COMPILED)  # compiled once, before the profile
+    [re] = [a for a in profile(ip, "", "double(torch.randn(3, 4))").advice
+            if a.rule == "recompiles"]
+    assert re.figure == 1
+    assert "recompiled 1 time in this cell, last double (a cell's line 2)" in re.text
+    assert "rank mismatch" in re.text and "mark_dynamic" in re.text
+
+
+def test_no_recompile_in_the_cell_is_not_advised(ip):
+    ip.run_cell(COMPILED)
+    ip.run_cell("double(torch.randn(3, 4))")  # recompiled before the profile
+    assert "recompiles" not in rules(profile(ip, "", "double(torch.randn(3, 4))").advice)

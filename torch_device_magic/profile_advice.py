@@ -16,15 +16,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .advice import BUSY_LOW, NEAR_CAPACITY_SHARE
 from .units import fmt_bytes, fmt_seconds, plural
 
 if TYPE_CHECKING:
     from .profiling import Analysis, Event
 
-# thresholds (one place: docs/profile.md lists them)
+# thresholds (docs/profile.md lists them); the two the per-cell notes share come from
+# advice.py, so that a note under a cell and %%profile's advice say the same thing
 LOADER_SHARE = 0.05  # tb: the DataLoader's share of the wall
-DEVICE_BUSY = 0.50  # tb: the device busy below this share of the wall
-NEAR_CAPACITY = 0.90  # tb: the peak over this share of the device's memory
+DEVICE_BUSY = BUSY_LOW / 100  # tb (0.50): the device busy below this share of the wall
+NEAR_CAPACITY = NEAR_CAPACITY_SHARE  # tb (0.90): the peak over this share of the device's memory
 FRAGMENTED = 1.5  # ours: reserved over this many times the peak allocated
 TENSOR_CORES = (7, 0)  # tb: the compute capability with tensor cores
 PAGEABLE_BYTES = 1 << 20  # ours: pageable host-to-device copies worth pinning

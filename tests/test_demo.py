@@ -133,6 +133,17 @@ def test_what_the_tutorial_teaches_is_what_happens(ran):
     assert shown(ran, "reset").startswith("device = cpu")
 
 
+def test_the_compile_and_inference_cells_get_their_notes_and_the_fix_clears_them(ran):
+    compiled = shown(ran, "compile")
+    assert re.search(r"^time .*\ncompiled scale_and_sum: 1 frame in \d", compiled, re.M), compiled
+    assert re.search(r"^recompiled scale_and_sum: .*size mismatch", compiled, re.M), compiled
+    inference = shown(ran, "inference")
+    assert re.search(r"^scores keeps an autograd graph holding \d+\.\d MiB: for inference run "
+                     r"the cell under %%nograd", inference, re.M), inference
+    fixed = shown(ran, "nograd")
+    assert "False" in fixed and "autograd graph" not in fixed
+
+
 @pytest.mark.cuda
 def test_on_a_cuda_machine_it_runs_on_the_gpu(ran):
     assert shown(ran, "auto").startswith("device = cuda:")

@@ -81,6 +81,11 @@ def test_help_lists_what_only_a_gpu_confirms():
     assert "What only a GPU confirms (issue 12" in help_text
     for item in ("A1", "A2", "A3", "C3", "D1", "D2", "E "):
         assert f"\n  {item}" in help_text, item
+    assert "And for issue 21" in help_text
+    for item in ("N1", "N2", "N3", "N4"):
+        assert f"\n  {item}" in help_text, item
+    assert "bench/bench_notes.py" in help_text  # gpu-check runs every bench/bench_*.py
+    assert (ROOT / "bench" / "bench_notes.py").exists()
 
 
 @pytest.mark.parametrize(("cuda", "counts", "ok"), [

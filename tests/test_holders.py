@@ -1,4 +1,4 @@
-"""Who holds tensors that no name holds: `%tensors --hidden`, the traceback hint, `%gpufree`."""
+"""Who holds tensors that no name holds: `%tensors --hidden`, the traceback note, `%gpufree`."""
 
 from __future__ import annotations
 
@@ -113,41 +113,58 @@ def test_filters_with_hidden_are_a_usage_error(ip):
         ip.run_line_magic("tensors", "--hidden --device cpu")
 
 
-# --- the hint after a failing cell ------------------------------------------------
+# --- the note after a failing cell --------------------------------------------------
 
 
 def big_local(ip, error="ValueError('boom')"):
     cell(ip, f"def f():\n    act = torch.empty(2**25)\n    raise {error}")  # 128 MiB
 
 
-def test_a_failing_cell_whose_traceback_keeps_tensors_gets_a_hint(ip, capsys):
+def last(ip):
+    return ip.magics_manager.registry["TorchDeviceMagics"].reporter.history.records()[-1]
+
+
+NOTE = ("the last traceback keeps tensors alive in its frames' locals (128.0 MiB on cpu): "
+        "%gpufree gives it back")
+
+
+def test_a_failing_cell_whose_traceback_keeps_tensors_gets_a_note(ip, capsys):
     big_local(ip)
     fail(ip, "f()")
     out = capsys.readouterr().out
-    assert (
-        "Hint (torch_device_magic): the last traceback keeps tensors alive in its frames' "
-        "locals (128.0 MiB on cpu): %gpufree gives it back." in out
-    )
+    lines = out.splitlines()
+    assert lines.count(NOTE) == 1  # under the report line, once: not a hint as well
+    assert lines[lines.index(NOTE) - 1].startswith("time ")
+    assert "Hint" not in out
+    (note,) = last(ip).notes
+    assert (note.rule, note.figure, note.where) == ("traceback", 128 * MIB, "the last traceback")
+    assert note.text == NOTE
+    assert ip.run_line_magic("devhistory", "-o")[-1].notes == (note,)
 
 
 def test_an_interrupted_cell_gets_it_too(ip, capsys):
     big_local(ip, "KeyboardInterrupt")
     fail(ip, "f()", KeyboardInterrupt)
-    assert "the last traceback keeps tensors alive" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines().count(NOTE) == 1
+    assert [n.rule for n in last(ip).notes] == ["traceback"]
 
 
-def test_small_locals_and_the_users_own_tensors_get_no_hint(ip, capsys):
+def test_small_locals_and_the_users_own_tensors_get_no_note(ip, capsys):
     cell(ip, "big = torch.empty(2**25)\ndef g(t):\n    small = torch.ones(10)\n"
              "    raise ValueError('boom')")
     fail(ip, "g(big)")  # its local t is the user's big: the traceback keeps nothing more
-    assert "Hint" not in capsys.readouterr().out
+    assert "the last traceback" not in capsys.readouterr().out
+    assert last(ip).notes == ()
+    fail(ip, "raise ValueError('an ordinary failing cell')")
+    assert last(ip).notes == ()
 
 
-def test_no_hint_with_hints_off(ip, capsys):
-    ip.run_line_magic("config", "TorchDeviceMagics.hints = False")
+def test_no_note_with_advice_off(ip, capsys):
+    ip.run_line_magic("config", "TorchDeviceMagics.advice = False")
     big_local(ip)
     fail(ip, "f()")
-    assert "Hint" not in capsys.readouterr().out
+    assert "the last traceback" not in capsys.readouterr().out
+    assert last(ip).notes == ()
 
 
 # --- %gpufree ---------------------------------------------------------------------

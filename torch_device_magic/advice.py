@@ -30,7 +30,7 @@ import psutil
 import torch
 
 from .probes import free_and_total, guarded, nvml_busy_percent
-from .units import fmt_bytes, fmt_seconds
+from .units import fmt_bytes, fmt_per_device, fmt_seconds
 
 _log = logging.getLogger(__name__)
 MiB = 2**20
@@ -43,6 +43,7 @@ BUSY_MIN_S = 0.5  # a CUDA cell this long gets its GPU's busy share read (NVML) 
 BUSY_LOW = 50.0  # ... and a note below this percent busy
 IDLE_MAX = 5.0  # at most this busy, while holding IDLE_HELD_BYTES: the GPU sat idle
 IDLE_HELD_BYTES = 1024 * MiB
+TRACEBACK_MIN_BYTES = 100 * MiB  # a failing cell's traceback keeps this much in its locals
 _MAX_ITEMS = 1000  # a displayed container longer than this is not looked into
 _MAX_NODES = 100_000  # an autograd graph is walked this far, no further
 
@@ -95,6 +96,17 @@ def inference(names: list[str], nbytes: int) -> Note | None:
     return Note("inference", f"{who} {verb} an autograd graph holding {fmt_bytes(nbytes)}: for "
                 "inference run the cell under %%nograd, or torch.no_grad()",
                 nbytes, INFERENCE_MIN_BYTES, who)
+
+
+def traceback_kept(nbytes: dict[str, int]) -> Note | None:
+    """A failing cell's traceback keeps `nbytes` (per device) of tensors in its frames'
+    locals that no name holds."""
+    total = sum(nbytes.values())
+    if total < TRACEBACK_MIN_BYTES:
+        return None
+    return Note("traceback", "the last traceback keeps tensors alive in its frames' locals "
+                f"({fmt_per_device(nbytes)}): %gpufree gives it back",
+                total, TRACEBACK_MIN_BYTES, "the last traceback")
 
 
 def gpu_busy(device: str, percent: float, held_bytes: int | None) -> Note | None:
@@ -163,6 +175,7 @@ class Advisor:
         utils = sys.modules.get("torch._dynamo.utils")  # only where the user's code imported it
         compiled = utils is not None and self._compiled(utils)
         if not (compiled or getattr(result, "result", None) is not None
+                or getattr(result, "error_in_exec", None) is not None
                 or record.device is not None
                 or (record.host_delta_bytes or 0) >= INFERENCE_MIN_BYTES):
             return ()
@@ -198,6 +211,20 @@ class Advisor:
             found = self._busy(record)
             if found is not None:
                 yield found
+        error = getattr(result, "error_in_exec", None)
+        if error is not None:
+            found = self._traceback(error)
+            if found is not None:
+                yield found
+
+    def _traceback(self, error: BaseException) -> Note | None:
+        """What a failing cell's traceback keeps alive (the out-of-memory hint, made
+        before the notes, has cleared its frames already)."""
+        from . import holders  # here, not at the top: holders imports hints, which imports us
+
+        shell = self._shell
+        return traceback_kept(holders.traceback_bytes(
+            error, shell.user_ns, shell.user_ns_hidden, TRACEBACK_MIN_BYTES))
 
     def _busy(self, record: Any) -> Note | None:
         """Read how busy the cell's GPU was over the cell (NVML), into the record."""

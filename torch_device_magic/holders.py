@@ -31,10 +31,9 @@ from .gpufree import accelerators_in_use
 from .hints import release_frames
 from .reports import Table
 from .tensors import WALK_LIMIT, storage_bytes, storage_key
-from .units import fmt_bytes
+from .units import fmt_bytes, fmt_per_device
 
 Key = tuple[str, int]  # (device, storage key), as `%tensors` counts storages
-TRACEBACK_MIN_BYTES = 100 * 2**20  # below this, a traceback's tensors are not worth a note
 _RESULTS = ("_", "__", "___")  # IPython's last three displayed results
 _IPYTHONS = re.compile(r"_+|_\d+|_i+\d*|_[oid]h|_exit_code")  # its names in the namespace
 RESULT, TRACEBACK, GRAPH, STATE = "result", "traceback", "graph", "state"
@@ -63,7 +62,7 @@ class HiddenReport:
     reconciled: list[str] = field(default_factory=list)
 
     def table(self) -> Table:
-        rows = [[h.name, _per_device(h.nbytes), h.fix] for h in self.holders]
+        rows = [[h.name, fmt_per_device(h.nbytes), h.fix] for h in self.holders]
         title = "held where no name shows it" + ("" if rows else ": nothing")
         return Table(title, ["holder", "bytes", "to let go"] if rows else [], rows,
                      self.reconciled)
@@ -237,10 +236,6 @@ def _by_device(keys: dict[Key, int]) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
-def _per_device(nbytes: dict[str, int]) -> str:
-    return ", ".join(f"{fmt_bytes(n)} on {dev}" for dev, n in nbytes.items())
-
-
 def _reconcile(device: str, allocated: int, keys: dict[Key, int]) -> str:
     counted = sum(n for (dev, _), n in keys.items() if dev == device)
     return (
@@ -286,22 +281,18 @@ def release(
     return found
 
 
-def traceback_note(
+def traceback_bytes(
     error: BaseException,
     namespace: dict[str, object],
     skip: Iterable[str] = (),
-    minimum: int = TRACEBACK_MIN_BYTES,
-) -> str | None:
-    """One line when `error`'s traceback keeps at least `minimum` bytes of tensors alive
-    in its frames' locals that no name in `namespace` holds; None otherwise."""
+    minimum: int = 0,
+) -> dict[str, int]:
+    """Bytes per device of tensors that `error`'s traceback keeps alive in its frames'
+    locals and that no name in `namespace` (apart from those in `skip`) holds; {} where
+    they come to less than `minimum` (advice.py's note says when they are worth saying)."""
     keys = _reached(traceback_locals(error))
     if sum(keys.values()) < minimum:  # the usual failing cell: the namespace is not walked
-        return None
+        return {}
     held = _UserHeld(namespace, skip).keys
     keys = {k: n for k, n in keys.items() if k not in held}
-    if sum(keys.values()) < minimum:
-        return None
-    return (
-        "the last traceback keeps tensors alive in its frames' locals "
-        f"({_per_device(_by_device(keys))}): %gpufree gives it back"
-    )
+    return _by_device(keys) if sum(keys.values()) >= minimum else {}

@@ -195,12 +195,8 @@ class TorchDeviceMagics(Magics):
         failed, self._failed_under = self._failed_under, None
         cell_default = failed[1] if failed is not None and failed[0] == id(error) else None
         cuda_start = self.reporter.cuda_start
-        text = hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
+        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
                           None if cuda_start is None else str(cuda_start))
-        if text is not None:  # the out-of-memory hint cleared the frames already
-            return text
-        note = holders.traceback_note(error, self.shell.user_ns, self.shell.user_ns_hidden)
-        return None if note is None else f"{hints.PREFIX} {note}."
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:

@@ -29,6 +29,11 @@ def fmt_bytes(n: float | None, signed: bool = False) -> str:
     return f"{sign}{value / _BYTE_SCALES[unit]:.1f} {_BYTE_UNITS[unit]}"
 
 
+def fmt_per_device(nbytes: dict[str, int]) -> str:
+    """`fmt_per_device({'cpu': 2048, 'cuda:0': 2**30}) == '2.0 KiB on cpu, 1.0 GiB on cuda:0'`."""
+    return ", ".join(f"{fmt_bytes(n)} on {dev}" for dev, n in nbytes.items())
+
+
 def plural(n: int, word: str) -> str:
     """`plural(1, 'cell') == '1 cell'`, `plural(1204, 'object') == '1,204 objects'`."""
     return f"{n:,} {word}{'' if n == 1 else 's'}"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_device_magic import profile_advice
-from torch_device_magic.profile_advice import Advice, Setting, advise
-from torch_device_magic.profiling import Event, analyse
+from torch_device_magic.profile import advice as profile_advice
+from torch_device_magic.profile.advice import Advice, Setting, advise
+from torch_device_magic.profile.events import Event, analyse
 
 
 def profile(ip, line: str, cell: str):

@@ -1,6 +1,6 @@
 """`%%profile`'s advice: what to change, from the events the capture already read.
 
-Each rule is a plain function of the capture's events (profiling.Event), their
+Each rule is a plain function of the capture's events (events.Event), their
 analysis, the line names and a few settings read once at the report (`Setting`);
 it returns an `Advice` record or None. The thresholds and texts live here and
 nowhere else. Thresholds marked "tb" are the removed TensorBoard profiler plugin's
@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .advice import BUSY_LOW, NEAR_CAPACITY_SHARE
-from .units import fmt_bytes, fmt_seconds, plural
+from ..advice import BUSY_LOW, NEAR_CAPACITY_SHARE
+from ..units import fmt_bytes, fmt_seconds, plural
 
 if TYPE_CHECKING:
-    from .profiling import Analysis, Event
+    from .events import Analysis, Event
 
 # thresholds (docs/profile.md lists them); the two the per-cell notes share come from
 # advice.py, so that a note under a cell and %%profile's advice say the same thing

@@ -847,10 +847,14 @@ class TorchDeviceMagics(Magics):
             self.shell.user_ns, args.functions, functools.partial(cells.cell_label, self.shell)
         )
         run, filename = cells.compile_cell(self.shell, cell)
+        reads = cells.names_read(self.shell, cell)  # and what the code it calls reads
+        reads |= reach.reach(self.shell.user_ns, reads,
+                             cells.attributes_read(self.shell, cell)).names
         capture = profile.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
             *self.reporter.plain_run(cell), source=cell,
             loops=profile.outer_loops(self.shell.transform_cell(cell)), traces=self.traces,
+            namespace=self.shell.user_ns, reads=reads,
         )
         self.reporter.mark_profiled()
         self._profiling = True

@@ -67,7 +67,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
@@ -78,7 +78,7 @@ from ..errors import DeviceMagicError, first_sentence
 from ..measure import Measurement, Meter
 from ..probes import clock, runtime_up
 from ..units import plural
-from .advice import Advice, advise, compiles, read_setting
+from .advice import Advice, advise, compiles, data_parallel, read_setting
 from .events import LINE_PREFIX, Analysis, Event, LineRow, analyse, from_kineto
 from .tables import ProfileReport
 from .traces import TraceFiles
@@ -416,6 +416,8 @@ class Capture:
     source: str = ""  # the cell's code, for the memory timeline's labels
     loops: dict[int, range] = field(default_factory=dict)  # outer_loops(the cell's code)
     traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
+    namespace: Mapping[str, Any] = field(default_factory=dict)  # the user's, for the advice
+    reads: Collection[str] = ()  # the namespace's names the cell and the code it calls read
     _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles()
 
     def __call__(
@@ -555,6 +557,9 @@ class Capture:
             top = timeline.largest[0] if timeline is not None and timeline.largest else None
             if top is not None and top.line is not None:  # --memory: the peak's top line
                 setting.largest = (str(top.line), top.bytes, top.text)
+            # read after the run: the cell may have made the model
+            setting.data_parallel = data_parallel(
+                (n, self.namespace[n]) for n in sorted(self.reads) if n in self.namespace)
             return advise(events, analysis, names, setting)
         except Exception as err:  # ours: the profile itself is still shown
             _log.debug("the advice failed", exc_info=True)

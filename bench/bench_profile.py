@@ -40,7 +40,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 from torch_device_magic import cells
-from torch_device_magic.profiling import Capture, Options
+from torch_device_magic.profile import Capture, Options
 
 SETUP = """
 import torch

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from torch_device_magic import memtimeline, probes
-from torch_device_magic.memtimeline import Timeline, from_profiler, from_snapshot, recording
+from torch_device_magic import probes
+from torch_device_magic.profile import memtimeline
+from torch_device_magic.profile.memtimeline import Timeline, from_profiler, from_snapshot, recording
 
 MiB = 2**20
 SVG = "{http://www.w3.org/2000/svg}"
@@ -523,7 +524,7 @@ def test_cuda_recording_of_a_real_cell():
 
 _FRESH = """
 import json, sys, torch
-from torch_device_magic.memtimeline import recording
+from torch_device_magic.profile.memtimeline import recording
 cell = "x = 1\\nbig = torch.empty(16 * 2**20, device='cuda')\\n"
 before = torch.cuda.is_initialized()
 with recording("<fresh-cell>") as rec:

@@ -18,7 +18,8 @@ import torch
 from fakegpu import FakeMachine, Gpu
 from IPython.core.error import UsageError
 
-from torch_device_magic.profiling import Event, ProfileReport, analyse
+from torch_device_magic.profile import ProfileReport
+from torch_device_magic.profile.events import Event, analyse
 
 SLOW = "big = torch.randn(300, 300) @ torch.randn(300, 300)"
 
@@ -337,7 +338,7 @@ def test_on_a_gpu_five_captures_agree(ip):
 
 @pytest.mark.cuda
 def test_on_a_gpu_memory_comes_from_the_allocators_history(ip):
-    from torch_device_magic.memtimeline import CUDA_SOURCE
+    from torch_device_magic.profile.memtimeline import CUDA_SOURCE
 
     ip.run_cell("x = torch.randn(1024, 1024, device='cuda')")
     report = profile(ip, "-o --memory", "y = x @ x\nz = y.relu()")

@@ -4,16 +4,18 @@ quiet where it should not.
 The CPU rules run on real cells; the rules that need a GPU get events shaped like a
 real CUDA capture's (kernels, their launches, memcpy kinds) and the device's settings,
 fed to `advise` as plain data. scripts/gpu-check runs a real cell for them on a GPU.
+DataParallel's rule runs on real cells on the fake GPUs (tests/fakegpu.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fakegpu import FakeMachine, Gpu
 
-from torch_device_magic import profile_advice
-from torch_device_magic.profile_advice import Advice, Setting, advise
-from torch_device_magic.profiling import Event, analyse
+from torch_device_magic.profile import advice as profile_advice
+from torch_device_magic.profile.advice import Advice, Setting, advise
+from torch_device_magic.profile.events import Event, analyse
 
 
 def profile(ip, line: str, cell: str):
@@ -442,3 +444,44 @@ def test_no_recompile_in_the_cell_is_not_advised(ip):
     ip.run_cell(COMPILED)
     ip.run_cell("double(torch.randn(3, 4))")  # recompiled before the profile
     assert "recompiles" not in rules(profile(ip, "", "double(torch.randn(3, 4))").advice)
+
+
+# --- DataParallel (rule 8), on real cells on the fake GPUs -------------------------------
+
+
+@pytest.fixture
+def parallel(ip):
+    """A DataParallel made before the fake GPUs are installed (on this CPU-only torch it
+    keeps its module where it is and runs it as it is), held three ways."""
+    dp = torch.nn.DataParallel(torch.nn.Linear(4, 4))
+    ip.user_ns.update(dp=dp, net=torch.nn.Sequential(dp), plain=torch.nn.Linear(4, 4))
+    ip.run_cell("def step():\n    return dp(torch.ones(2, 4))")
+    return ip
+
+
+@pytest.mark.parametrize("cell, name", [
+    ("y = dp(torch.ones(2, 4))", "dp"),  # the cell reads it
+    ("y = net(torch.ones(2, 4))", "net"),  # a module it reads holds one
+    ("y = step()", "dp"),  # a function it calls reads it
+])
+def test_data_parallel_on_several_gpus_is_advised_ddp(parallel, monkeypatch, cell, name):
+    machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
+    machine.start_cuda()
+    [dp] = [a for a in profile(parallel, "", cell).advice if a.rule == "DataParallel"]
+    assert (dp.figure, dp.threshold) == (2, profile_advice.DATA_PARALLEL_GPUS)
+    assert dp.text.startswith(f"{name} is a torch.nn.DataParallel on 2 GPUs")
+    assert "DistributedDataParallel" in dp.text and parallel.user_ns["y"].shape == (2, 4)
+
+
+@pytest.mark.parametrize("gpus, started, cell", [
+    (1, True, "y = dp(torch.ones(2, 4))"),  # one GPU: nothing to gain
+    (2, True, "y = plain(torch.ones(2, 4))"),  # no DataParallel read
+    (2, False, "y = dp(torch.ones(2, 4))"),  # CUDA not started: its devices are not asked
+])
+def test_data_parallel_on_one_gpu_or_none_is_not_advised(parallel, monkeypatch, gpus, started,
+                                                         cell):
+    machine = FakeMachine([Gpu() for _ in range(gpus)]).install(monkeypatch)
+    if started:
+        machine.start_cuda()
+    assert "DataParallel" not in rules(profile(parallel, "", cell).advice)
+    assert started or machine.initialized is False

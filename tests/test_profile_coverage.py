@@ -12,7 +12,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic import memtimeline, profiling
+from torch_device_magic.profile import capture, events, memtimeline
 
 THREADS = """import threading
 def work():
@@ -50,7 +50,7 @@ def test_threads_records_the_ops_of_the_threads_the_cell_starts(ip):
     assert waited > 0 and sum(r.cpu_s for r in report.lines) == pytest.approx(
         sum(r.self_cpu_s for r in report.ops), rel=1e-6)
     assert ip.user_ns["done"] is True
-    if not any(e.kind == "memory" for e in profiling.from_kineto(
+    if not any(e.kind == "memory" for e in events.from_kineto(
             report.profiler.profiler.kineto_results)):
         assert any("--threads: this torch records no memory" in n for n in report.notes)
 
@@ -65,7 +65,7 @@ def test_without_threads_the_overview_says_the_cell_started_threads(ip, capsys):
 
 
 def test_threads_where_torch_cannot_record_them_is_one_sentence(ip, capsys, monkeypatch):
-    monkeypatch.setattr(profiling, "_ALL_THREADS", None)  # an older torch
+    monkeypatch.setattr(capture, "_ALL_THREADS", None)  # an older torch
     with pytest.raises(UsageError, match="cannot record other threads"):
         ip.run_cell("%%profile --threads\nran = True")
     assert "ran" not in ip.user_ns
@@ -190,7 +190,7 @@ def test_the_memory_recording_is_set_up_and_taken_outside_the_wall(ip, monkeypat
             yield rec
         order.append("memory taken")
 
-    class Meter(profiling.Meter):
+    class Meter(capture.Meter):
         def start(self):
             order.append("wall starts")
             return super().start()
@@ -200,7 +200,7 @@ def test_the_memory_recording_is_set_up_and_taken_outside_the_wall(ip, monkeypat
             return super().stop()
 
     monkeypatch.setattr(memtimeline, "recording", recording)
-    monkeypatch.setattr(profiling, "Meter", Meter)
+    monkeypatch.setattr(capture, "Meter", Meter)
     ip.run_cell("%%profile --memory\nbig = torch.ones(1000, 1000)")
     assert order == ["memory set up", "wall starts", "wall ends", "memory taken"]
     assert ip.user_ns["big"].shape == (1000, 1000)

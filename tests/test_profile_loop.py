@@ -16,8 +16,8 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic import profiling
-from torch_device_magic.profiling import ProfileReport, analyse
+from torch_device_magic.profile import ProfileReport, capture
+from torch_device_magic.profile.events import analyse
 
 LOOP = ("w = torch.ones(8, 8)\n"
         "for i in range({n}):\n    y = (w @ w).relu()\n    z = y.sum()\ndone = i")
@@ -28,14 +28,14 @@ LOOP = ("w = torch.ones(8, 8)\n"
 def profilers(monkeypatch):
     """Weak references to each torch profiler %%profile makes, and to its record."""
     made: list[weakref.ref] = []
-    real = profiling._profiler
+    real = capture._profiler
 
     def spy(*args, **kwargs):
         prof = real(*args, **kwargs)
         made.append(weakref.ref(prof))
         return prof
 
-    monkeypatch.setattr(profiling, "_profiler", spy)
+    monkeypatch.setattr(capture, "_profiler", spy)
     return made
 
 
@@ -110,7 +110,7 @@ def test_no_unnamed_trace_is_left_after_the_interpreter_exits(tmp_path):
         print(len(glob.glob(tempfile.gettempdir() + "/tdm-profile-*")))
     """)
     env = {**os.environ, "TMPDIR": str(tmp_path),
-           "PYTHONPATH": os.path.dirname(os.path.dirname(profiling.__file__))}
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(capture.__file__)))}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -178,8 +178,8 @@ def test_the_outer_loops_are_found_outside_functions_and_other_loops():
             for line in fh:
                 pass
     """)
-    assert profiling.outer_loops(source) == {2: range(3, 6), 7: range(8, 9), 13: range(14, 15)}
-    assert profiling.outer_loops("%time x = 1") == {}  # not Python: recorded in full
+    assert capture.outer_loops(source) == {2: range(3, 6), 7: range(8, 9), 13: range(14, 15)}
+    assert capture.outer_loops("%time x = 1") == {}  # not Python: recorded in full
 
 
 def test_a_large_trace_has_its_size_in_the_overview():

@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, hints, holders, moving, profiling, reach
+from . import cells, devices, gpumem, hints, holders, moving, profile, reach
 from .advice import Advisor
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
@@ -32,7 +32,6 @@ from .history import save_plot
 from .hooks import CellReporter
 from .namespace import scan
 from .session import Session
-from .traces import TraceFiles
 from .units import parse_bytes
 
 
@@ -147,7 +146,7 @@ class TorchDeviceMagics(Magics):
         self._advisor: Advisor | None = None  # made with the shell, once
         self._failed_under: tuple[int, torch.device] | None = None  # (id(error), %%ondevice's)
         self._profiling = False  # a %%profile cell is running
-        self.traces = TraceFiles()  # %%profile's unnamed traces: the last one is kept
+        self.traces = profile.TraceFiles()  # %%profile's unnamed traces: the last one is kept
         super().__init__(shell=shell)
 
     @property
@@ -834,20 +833,24 @@ class TorchDeviceMagics(Magics):
         __tracebackhide__ = True
         cell = cell_form("profile", "the code to profile", cell)
         args = parse(self.profile, line, cell=True)
-        options = profiling.Options(
+        options = profile.Options(
             args.runs, args.warmup, args.sort, args.top, args.trace, args.memory,
             threads=args.threads, steps=args.steps,
         )
         options.check()
-        profiling.refuse_if_recording(self._profiling)
-        functions = profiling.functions(
+        profile.refuse_if_recording(self._profiling)
+        functions = profile.functions(
             self.shell.user_ns, args.functions, functools.partial(cells.cell_label, self.shell)
         )
         run, filename = cells.compile_cell(self.shell, cell)
-        capture = profiling.Capture(
+        reads = cells.names_read(self.shell, cell)  # and what the code it calls reads
+        reads |= reach.reach(self.shell.user_ns, reads,
+                             cells.attributes_read(self.shell, cell)).names
+        capture = profile.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
             *self.reporter.plain_run(cell), source=cell,
-            loops=profiling.outer_loops(self.shell.transform_cell(cell)), traces=self.traces,
+            loops=profile.outer_loops(self.shell.transform_cell(cell)), traces=self.traces,
+            namespace=self.shell.user_ns, reads=reads,
         )
         self.reporter.mark_profiled()
         self._profiling = True

@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
-from . import probes
-from .errors import first_sentence
-from .reports import Table
-from .units import fmt_bytes, fmt_seconds, plural
+from .. import probes
+from ..errors import first_sentence
+from ..reports import Table
+from ..units import fmt_bytes, fmt_seconds, plural
 
 _log = logging.getLogger(__name__)
 

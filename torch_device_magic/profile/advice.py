@@ -1,6 +1,6 @@
 """`%%profile`'s advice: what to change, from the events the capture already read.
 
-Each rule is a plain function of the capture's events (profiling.Event), their
+Each rule is a plain function of the capture's events (events.Event), their
 analysis, the line names and a few settings read once at the report (`Setting`);
 it returns an `Advice` record or None. The thresholds and texts live here and
 nowhere else. Thresholds marked "tb" are the removed TensorBoard profiler plugin's
@@ -12,15 +12,15 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .advice import BUSY_LOW, NEAR_CAPACITY_SHARE
-from .units import fmt_bytes, fmt_seconds, plural
+from ..advice import BUSY_LOW, NEAR_CAPACITY_SHARE
+from ..units import fmt_bytes, fmt_seconds, plural
 
 if TYPE_CHECKING:
-    from .profiling import Analysis, Event
+    from .events import Analysis, Event
 
 # thresholds (docs/profile.md lists them); the two the per-cell notes share come from
 # advice.py, so that a note under a cell and %%profile's advice say the same thing
@@ -35,6 +35,7 @@ TINY_HIT_S = 50e-6  # ...at under this much wall a time...
 TINY_SHARE = 0.10  # ...taking this share of the wall
 CPU_OPS_SHARE = 0.20  # ours: torch's CPU work worth more threads
 SHORT_KERNELS = 0.50  # HTA: the share of kernels shorter than their launch
+DATA_PARALLEL_GPUS = 2  # tb: DataParallel on this many GPUs or more
 
 _MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
                      "aten::linear", "aten::convolution", "aten::_convolution",
@@ -73,6 +74,8 @@ class Setting:
     recompiles: list[tuple[str, str]] = field(default_factory=list)  # (function, reason)
     largest: tuple[str, int, str] | None = None  # --memory: the largest allocation's line,
     # its bytes and its code
+    gpus: int = 0  # CUDA's devices, where CUDA is initialised
+    data_parallel: str | None = None  # a name the cell reads that holds a DataParallel
 
 
 def compiles() -> list[Any]:
@@ -95,12 +98,26 @@ def read_setting(
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
                       recompiles=recompiles)
+    if torch.cuda.is_initialized():  # never the call that starts CUDA
+        setting.gpus = torch.cuda.device_count()
     if cuda:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         setting.capability = (props.major, props.minor)
         setting.total_memory = props.total_memory
         setting.reserved_bytes = torch.cuda.memory_reserved()
     return setting
+
+
+def data_parallel(values: Iterable[tuple[str, Any]]) -> str | None:
+    """The first of these (name, value) pairs whose value is a torch.nn.DataParallel or a
+    module holding one."""
+    import torch
+
+    for name, value in values:
+        if isinstance(value, torch.nn.Module) and any(
+                isinstance(m, torch.nn.DataParallel) for m in value.modules()):
+            return name
+    return None
 
 
 def cores() -> int:
@@ -337,11 +354,22 @@ def recompiles(f: _Facts) -> Advice | None:
         "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True))"))
 
 
+def data_parallel_gpus(f: _Facts) -> Advice | None:
+    """Rule 8 (tb): DataParallel with more than one GPU."""
+    s = f.setting
+    if s.data_parallel is None or s.gpus < DATA_PARALLEL_GPUS:
+        return None
+    return Advice("DataParallel", float(s.gpus), float(DATA_PARALLEL_GPUS), None, (
+        f"{s.data_parallel} is a torch.nn.DataParallel on {s.gpus} GPUs (more than one): "
+        "one process drives them all and copies the model to each every step; "
+        "DistributedDataParallel (a process per GPU, torchrun) is faster"))
+
+
 def _line_key(where: str) -> tuple[int, str]:
     return (int(where), "") if where.isdigit() else (1 << 30, where)
 
 
 RULES: tuple[Callable[[_Facts], Advice | None], ...] = (
     input_pipeline, device_waits, tensor_cores, memory, pageable_copies, tiny_ops,
-    cpu_threads, cudnn_benchmark, recompiles,
+    cpu_threads, data_parallel_gpus, cudnn_benchmark, recompiles,
 )

@@ -55,7 +55,6 @@ starts or stops waits until that is done.
 from __future__ import annotations
 
 import ast
-import bisect
 import contextlib
 import json
 import linecache
@@ -67,35 +66,24 @@ import tempfile
 import threading
 import time
 import warnings
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
 import torch
 
-from .errors import DeviceMagicError, first_sentence
-from .measure import Measurement, Meter
-from .probes import clock, runtime_up
-from .profile_advice import Advice, advise, compiles, read_setting
-from .reports import Table
-from .traces import LARGE_BYTES, TraceFiles
-from .units import fmt_bytes, fmt_seconds, plural
+from ..errors import DeviceMagicError, first_sentence
+from ..measure import Measurement, Meter
+from ..probes import clock, runtime_up
+from ..units import plural
+from .advice import Advice, advise, compiles, data_parallel, read_setting
+from .events import LINE_PREFIX, Analysis, Event, LineRow, analyse, from_kineto
+from .tables import ProfileReport
+from .traces import TraceFiles
 
 SORTS = ("self", "total", "device", "memory")
-LINE_PREFIX = "tdm:"  # our ranges' names start with it (and never an op's)
-_SYNC_CALLS = frozenset({
-    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-    "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy",
-})
-_ITEM = frozenset({"aten::item", "aten::_local_scalar_dense"})
-# the outermost op around a synchronising call names the read (print(tensor) reads
-# by .item() and .cpu(); .tolist() by .cpu())
-_READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
-          "aten::to": ".cpu()/.to()/.tolist()", "aten::_to_copy": ".cpu()/.to()/.tolist()",
-          "aten::copy_": ".copy_()", "aten::nonzero": "nonzero()",
-          "aten::index": "boolean-mask indexing", "aten::masked_select": "boolean-mask indexing"}
 _log = logging.getLogger(__name__)
 _NOISE = ("profiler_start", "profiler_stop", "Completed Stage:", "ActivityProfilerController",
           "Memory block of unknown size was allocated before the profiling started")
@@ -133,392 +121,6 @@ class Options:
             raise DeviceMagicError("%%profile --steps needs 1 or more (or 0: every step)")
         if self.trace is not None and not self.trace.strip():
             raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
-
-
-# --- the events, as plain records -------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Event:
-    """One kineto event, its times relative to the trace's start.
-
-    kind: "op" (a CPU op or a user's range), "line" (ours), "memory", "runtime" (a
-    CUDA runtime call), "kernel", "memcpy", "memset" (device activity).
-    """
-
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int = 0
-    thread: int = 0
-    correlation: int = 0  # a CPU op's id; device and runtime events link to it
-    linked: int = 0
-    shapes: tuple[tuple[int, ...], ...] = ()
-    nbytes: int = 0  # memory: + allocated, - freed; memcpy: bytes copied (0: unknown)
-    on_device: bool = False  # memory: on an accelerator (else host)
-    # filled by the analysis
-    self_ns: int = 0
-    alloc_bytes: int = 0
-    device_ns: int = 0
-    line: str | None = None
-    parent: Event | None = None  # the innermost op or range around it, on its thread
-
-
-def from_kineto(result: Any) -> list[Event]:
-    """The events of a finished capture (`prof.profiler.kineto_results`); read once, in
-    one pass (tens of thousands of events: every call per event counts)."""
-    start = result.trace_start_ns()
-    events = result.events()
-    cpu = torch.autograd.DeviceType.CPU
-    older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
-    linked = bool(events) and hasattr(events[0], "linked_correlation_id")
-    out: list[Event] = []
-    append = out.append
-    for e in events:
-        name = e.name()
-        activity = "" if older else e.activity_type()
-        device = e.device_type() != cpu
-        if name == "[memory]":
-            append(Event(name, "memory", e.start_ns() - start, e.start_ns() - start,
-                         e.start_thread_id(), nbytes=e.nbytes(), on_device=device))
-            continue
-        if name.startswith(LINE_PREFIX):
-            kind = "line"
-        elif device:
-            kind = ("memcpy" if "memcpy" in activity or name.startswith("Memcpy")
-                    else "memset" if "memset" in activity or name.startswith("Memset")
-                    else "kernel")
-        elif activity in _RUNTIME or (older and name.startswith(("cuda", "hip"))):
-            kind = "runtime"
-        elif name in _FILTERED or e.is_async() or e.start_thread_id() != e.end_thread_id():
-            continue
-        else:
-            kind = "op"
-        append(Event(
-            name, kind, e.start_ns() - start, e.end_ns() - start, e.start_thread_id(),
-            e.correlation_id(), e.linked_correlation_id() if linked else 0,
-            tuple(map(tuple, e.shapes())) if kind == "op" else (),
-            _copied_bytes(e) if kind == "memcpy" else 0,
-        ))
-    return out
-
-
-_RUNTIME = frozenset({"cuda_runtime", "cuda_driver", "privateuse1_runtime",
-                      "privateuse1_driver", "xpu_runtime", "xpu_driver"})
-_FILTERED = frozenset({
-    "profiler::_record_function_enter", "profiler::_record_function_enter_new",
-    "profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version",
-})
-
-
-def _copied_bytes(event: Any) -> int:
-    """The bytes of a device copy, where kineto put them in the event's metadata."""
-    try:
-        return int(json.loads("{" + (event.metadata_json() or "") + "}").get("bytes", 0))
-    except (ValueError, TypeError, AttributeError):
-        return 0
-
-
-# --- the analysis -------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class OpRow:
-    """One op name over the capture: on the CPU, its device time where recorded."""
-
-    name: str
-    calls: int
-    self_cpu_s: float
-    total_cpu_s: float
-    device_s: float | None  # None: no device activity recorded
-    allocated_bytes: int  # allocations made by the op itself (frees not subtracted)
-    shapes: str  # the most frequent input shapes, and how often
-
-
-@dataclass(slots=True)
-class KernelRow:
-    """One kernel name on the device."""
-
-    name: str
-    calls: int
-    device_s: float
-    launched_by: str  # the op that launched it most often
-
-
-@dataclass(slots=True)
-class LineRow:
-    """One line of code: what ran while it was the innermost line running."""
-
-    where: str  # '3' for the cell's line 3, 'train (In[2]) 7' for a line of an -f function
-    code: str
-    hits: int
-    wall_s: float
-    cpu_s: float  # torch ops' self CPU time
-    device_s: float | None
-    allocated_bytes: int
-
-
-@dataclass(slots=True)
-class Analysis:
-    """What the events say, in figures."""
-
-    ops: list[OpRow]
-    kernels: list[KernelRow]
-    lines: list[LineRow]
-    op_calls: int
-    device_recorded: bool
-    device_busy_s: float | None
-    launches: int
-    copies: int
-    copy_bytes: int | None  # None: the copies' sizes were not recorded
-    syncs: int
-    stalls: list[str]  # '.item() 100 times on line 5 (2 runs)'
-    line_at: Callable[[int], str | None] | None = field(default=None, repr=False)  # a time's
-    # innermost line range (the advice's)
-
-
-def analyse(
-    events: list[Event],
-    line_names: dict[str, tuple[str, str]] | None = None,
-    *,
-    runs: int = 1,
-    sort: str = "self",
-    top: int = 10,
-    device_in_use: bool = False,
-) -> Analysis:
-    """The tables and counts of a capture's `events`.
-
-    `line_names` maps our range names to (where, code); `device_in_use`: an
-    accelerator was in use, so a host read of a value (`.item()`) waits for it.
-    """
-    line_names = line_names or {}
-    cpu = [e for e in events if e.kind in ("op", "line", "runtime", "memory")]
-    _nest(cpu)
-    timeline = _Timeline([e for e in events if e.kind == "line"])
-    ops = [e for e in events if e.kind == "op"]
-    for e in ops:
-        e.line = timeline.at(e.start_ns)
-    by_id = {e.correlation: e for e in ops if e.correlation}
-    device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
-    for d in device:
-        launcher = by_id.get(d.linked)
-        if launcher is not None:
-            launcher.device_ns += d.end_ns - d.start_ns
-            d.line = launcher.line
-        else:
-            d.line = timeline.at(d.start_ns)
-    recorded = bool(device)
-    memory = [e for e in events if e.kind == "memory"]
-    for m in memory:
-        m.line = timeline.at(m.start_ns)
-    return Analysis(
-        ops=_op_rows(ops, recorded, sort, top),
-        kernels=_kernel_rows(device, by_id, top),
-        lines=_line_rows(timeline, ops, device, memory, line_names, recorded),
-        op_calls=len(ops),
-        device_recorded=recorded,
-        device_busy_s=_union_ns(device) / 1e9 if recorded else None,
-        launches=sum(1 for d in device if d.kind == "kernel"),
-        copies=len(copies := [d for d in device if d.kind == "memcpy" and "DtoD" not in d.name]),
-        copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
-        syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
-        stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
-        line_at=timeline.at,
-    )
-
-
-def _nest(events: list[Event]) -> None:
-    """Per thread, each op's self time (its duration less its children's) and the
-    allocations made inside it and not inside a child."""
-    threads: dict[int, list[Event]] = defaultdict(list)
-    for e in events:
-        threads[e.thread].append(e)
-    for evs in threads.values():
-        evs.sort(key=lambda e: (e.start_ns, -e.end_ns, e.kind == "memory"))
-        stack: list[Event] = []
-        for e in evs:
-            point = e.kind == "memory"
-            while stack and (stack[-1].end_ns < e.start_ns
-                             or (not point and stack[-1].end_ns <= e.start_ns)):
-                stack.pop()
-            parent = stack[-1] if stack else None
-            if point:
-                if parent is not None and e.nbytes > 0:
-                    parent.alloc_bytes += e.nbytes
-                continue
-            e.self_ns += e.end_ns - e.start_ns
-            e.parent = parent
-            if parent is not None:
-                parent.self_ns -= e.end_ns - e.start_ns
-            stack.append(e)
-
-
-class _Timeline:
-    """Which line range was innermost at each moment: a step function over time."""
-
-    def __init__(self, ranges: list[Event]) -> None:
-        self.starts: list[int] = []
-        self.names: list[str | None] = []
-        self.hits: Counter[str] = Counter(r.name for r in ranges)
-        stack: list[Event] = []
-        for r in sorted(ranges, key=lambda r: (r.start_ns, -r.end_ns)):
-            while stack and stack[-1].end_ns <= r.start_ns:
-                ended = stack.pop()
-                self._step(ended.end_ns, stack[-1].name if stack else None)
-            stack.append(r)
-            self._step(r.start_ns, r.name)
-        while stack:
-            ended = stack.pop()
-            self._step(ended.end_ns, stack[-1].name if stack else None)
-
-    def _step(self, at: int, name: str | None) -> None:
-        if self.starts and self.starts[-1] == at:
-            self.names[-1] = name
-        else:
-            self.starts.append(at)
-            self.names.append(name)
-
-    def at(self, t: int) -> str | None:
-        i = bisect.bisect_right(self.starts, t) - 1
-        return self.names[i] if i >= 0 else None
-
-    def wall_ns(self) -> dict[str, int]:
-        out: Counter[str] = Counter()
-        for (t0, name), t1 in zip(zip(self.starts, self.names), self.starts[1:]):
-            if name is not None:
-                out[name] += t1 - t0
-        return out
-
-
-def _shapes(counter: Counter[tuple[tuple[int, ...], ...]]) -> str:
-    if not counter:
-        return ""
-    shapes, n = counter.most_common(1)[0]
-    text = ", ".join(str(tuple(s)) if s else "()" for s in shapes) or "-"
-    total = sum(counter.values())
-    return text if n == total else f"{text} ({n} of {total})"
-
-
-def _op_rows(ops: list[Event], recorded: bool, sort: str, top: int) -> list[OpRow]:
-    groups: dict[str, list[Event]] = defaultdict(list)
-    for e in ops:
-        groups[e.name].append(e)
-    rows = [
-        OpRow(
-            name=name,
-            calls=len(es),
-            self_cpu_s=sum(e.self_ns for e in es) / 1e9,
-            total_cpu_s=sum(e.end_ns - e.start_ns for e in es) / 1e9,
-            device_s=sum(e.device_ns for e in es) / 1e9 if recorded else None,
-            allocated_bytes=sum(e.alloc_bytes for e in es),
-            shapes=_shapes(Counter(e.shapes for e in es if any(e.shapes))),
-        )
-        for name, es in groups.items()
-    ]
-    key: Callable[[OpRow], float] = {
-        "self": lambda r: r.self_cpu_s,
-        "total": lambda r: r.total_cpu_s,
-        "device": lambda r: r.device_s or 0.0 if recorded else r.self_cpu_s,
-        "memory": lambda r: r.allocated_bytes,
-    }[sort]
-    return sorted(rows, key=key, reverse=True)[:top]
-
-
-def _kernel_rows(device: list[Event], by_id: dict[int, Event], top: int) -> list[KernelRow]:
-    groups: dict[str, list[Event]] = defaultdict(list)
-    for d in device:
-        groups[d.name].append(d)
-    rows = []
-    for name, ds in groups.items():
-        launchers = Counter(by_id[d.linked].name for d in ds if d.linked in by_id)
-        rows.append(KernelRow(
-            name=name, calls=len(ds), device_s=sum(d.end_ns - d.start_ns for d in ds) / 1e9,
-            launched_by=launchers.most_common(1)[0][0] if launchers else "",
-        ))
-    return sorted(rows, key=lambda r: r.device_s, reverse=True)[:top]
-
-
-def _line_rows(
-    timeline: _Timeline,
-    ops: list[Event],
-    device: list[Event],
-    memory: list[Event],
-    line_names: dict[str, tuple[str, str]],
-    recorded: bool,
-) -> list[LineRow]:
-    cpu_ns: Counter[str] = Counter()
-    device_ns: Counter[str] = Counter()
-    allocated: Counter[str] = Counter()
-    for e in ops:
-        if e.line is not None:
-            cpu_ns[e.line] += e.self_ns
-    for d in device:
-        if d.line is not None:
-            device_ns[d.line] += d.end_ns - d.start_ns
-    for m in memory:
-        if m.line is not None and m.nbytes > 0:
-            allocated[m.line] += m.nbytes
-    wall = timeline.wall_ns()
-    rows = []
-    for name, (where, code) in line_names.items():
-        if not timeline.hits[name]:
-            continue
-        rows.append(LineRow(
-            where=where, code=code, hits=timeline.hits[name], wall_s=wall[name] / 1e9,
-            cpu_s=cpu_ns[name] / 1e9, device_s=device_ns[name] / 1e9 if recorded else None,
-            allocated_bytes=allocated[name],
-        ))
-    return rows
-
-
-def _union_ns(device: list[Event]) -> int:
-    """How long the device was busy: the union of its activities' intervals."""
-    total, end = 0, None
-    for d in sorted(device, key=lambda d: d.start_ns):
-        if end is None or d.start_ns > end:
-            total += d.end_ns - d.start_ns
-            end = d.end_ns
-        elif d.end_ns > end:
-            total += d.end_ns - end
-            end = d.end_ns
-    return total
-
-
-def _stalls(
-    events: list[Event], by_id: dict[int, Event], line_names: dict[str, tuple[str, str]],
-    runs: int,
-) -> list[str]:
-    """Host reads of device values (`.item()`, `.cpu()`) that a line repeats within a
-    run: each one waits for the device.
-
-    Where the runtime's calls were recorded (CUDA), a read is the outermost `.item()` or
-    `.to()` op around a synchronising call (a `.to(torch.half)` is none); elsewhere only
-    `.item()`, which always waits."""
-    reads: Counter[tuple[str, str]] = Counter()
-    found: set[int] = set()
-    syncs = [e for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS]
-    if syncs:
-        starts = [by_id.get(e.linked) for e in syncs]
-    else:
-        starts = [e for e in events if e.kind == "op" and e.name in _ITEM]
-    for op in starts:
-        outermost = None
-        while op is not None:
-            if op.name in _READS:
-                outermost = op
-            op = op.parent
-        if outermost is not None and outermost.line is not None and id(outermost) not in found:
-            found.add(id(outermost))
-            reads[(outermost.line, _READS[outermost.name])] += 1
-    out = []
-    for (line, what), n in reads.most_common():
-        if n > runs:
-            where = line_names.get(line, (line, ""))[0]
-            where = f"line {where}" if where.isdigit() else where
-            per_run = "" if runs == 1 else f" in {plural(runs, 'run')}"
-            out.append(f"{what} {plural(n, 'time')} on {where}{per_run} (a loop: each waits "
-                       "for the device)")
-    return out
 
 
 # --- recording ----------------------------------------------------------------------------
@@ -797,160 +399,6 @@ def refuse_if_recording(active: bool) -> None:
         )
 
 
-# --- the report ---------------------------------------------------------------------------
-
-
-@dataclass
-class ProfileReport:
-    """What `%%profile` shows, as data: the overview's figures and the three tables.
-
-    `profiler` is torch's own `torch.profiler.profile` object, for `key_averages()`.
-    """
-
-    label: str
-    runs: int
-    wall_s: float
-    measurement: Measurement | None
-    analysis: Analysis
-    trace_path: str | None
-    plain_wall_s: float | None = None  # a plain run of the same code, where one is known
-    plain_from: str | None = None  # where that figure comes from
-    partial: str | None = None  # why the profile is partial (the cell raised)
-    notes: list[str] = field(default_factory=list)
-    profiler: Any = None
-    timeline: Any = None  # the --memory timeline
-    sort: str = "self"
-    trace_bytes: int = 0
-    trace_temporary: bool = False  # the session's file, replaced by the next capture's
-    steps: int = 0  # the iterations of the cell's outer loop that began
-    full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
-    advice: list[Advice] = field(default_factory=list)  # what to change (profile_advice)
-
-    @property
-    def ops(self) -> list[OpRow]:
-        return self.analysis.ops
-
-    @property
-    def kernels(self) -> list[KernelRow]:
-        return self.analysis.kernels
-
-    @property
-    def lines(self) -> list[LineRow]:
-        return self.analysis.lines
-
-    def overview(self) -> str:
-        a = self.analysis
-        runs = plural(self.runs, "run")
-        wall = f"wall {fmt_seconds(self.wall_s)}"
-        if self.runs > 1:
-            wall += f" ({fmt_seconds(self.wall_s / self.runs)} a run)"
-        if self.plain_wall_s:
-            wall += (f", {self.wall_s / self.runs / self.plain_wall_s:.2f}x the plain run "
-                     f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
-        parts = [f"%%profile {self.label}: {runs}, {wall}"]
-        if self.full_steps:
-            parts.append(f"steps {self._recorded()} of {self.steps:,} in full (ops, memory, "
-                         "trace); lines timed over all")
-        device = self.measurement.device if self.measurement is not None else None
-        if a.device_recorded and a.device_busy_s is not None:
-            share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
-            parts.append(f"{device or 'device'} busy {fmt_seconds(a.device_busy_s)} "
-                         f"({share:.0%} of the wall)")
-            parts.append(f"{a.launches:,} kernel launch{'' if a.launches == 1 else 'es'}")
-            size = "" if a.copy_bytes is None else f" ({fmt_bytes(a.copy_bytes)})"
-            parts.append(f"{a.copies:,} host-device cop{'y' if a.copies == 1 else 'ies'}{size}")
-            parts.append(plural(a.syncs, "synchronisation"))
-        parts.append(plural(a.op_calls, "op call"))
-        if self.trace_path is not None:
-            said = [fmt_bytes(self.trace_bytes)] if self.trace_bytes >= LARGE_BYTES else []
-            said += ["until the next %%profile"] if self.trace_temporary else []
-            parts.append(f"trace {self.trace_path}" + (f" ({', '.join(said)})" if said else ""))
-        return " | ".join(parts)
-
-    def tables(self) -> list[Table]:
-        a = self.analysis
-        device = a.device_recorded
-        notes = list(self.notes) + [f"stall: {s}" for s in a.stalls]
-        out = [Table(self.overview(), [], [], notes)]
-        if self.partial is not None:
-            out.insert(0, Table(f"PARTIAL: {self.partial}", [], []))
-        if a.lines:
-            out.append(self._line_table())
-        head = _timed(["op", "calls", "self CPU", "total CPU"], "device", device,
-                      ["allocated", "input shapes (most frequent)"])
-        rows = [_timed([r.name, r.calls, fmt_seconds(r.self_cpu_s), fmt_seconds(r.total_cpu_s)],
-                       fmt_seconds(r.device_s), device,
-                       [_bytes(r.allocated_bytes), r.shapes or "-"])
-                for r in a.ops]
-        sort = "self" if self.sort == "device" and not device else self.sort  # as sorted
-        out.append(Table(f"top ops by {_SORT_WORDS[sort]}", head, rows))
-        if a.kernels:
-            out.append(Table(
-                "top kernels by device time", ["kernel", "calls", "device", "launched by"],
-                [[_short(k.name), k.calls, fmt_seconds(k.device_s), k.launched_by]
-                 for k in a.kernels],
-            ))
-        if self.timeline is not None:
-            out.append(self.timeline)
-        if self.advice:
-            out.append(Table("advice", [], [], [a.text for a in self.advice]))
-        return out
-
-    def _line_table(self) -> Table:
-        a = self.analysis
-        device = a.device_recorded
-        head = _timed(["line", "hits", "wall", "torch CPU"], "device", device,
-                      ["allocated", "code"])
-        rows = [_timed([r.where, r.hits, fmt_seconds(r.wall_s), fmt_seconds(r.cpu_s)],
-                       fmt_seconds(r.device_s), device, [_bytes(r.allocated_bytes), _short(r.code)])
-                for r in a.lines]
-        notes = []
-        if self.full_steps:
-            notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
-                         f"and allocated: steps {self._recorded()} (--steps 0 records all)")
-        slowest = self.slowest_line()
-        if slowest is not None and self.wall_s:
-            notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
-                         f"the wall: {_short(slowest.code)}")
-        return Table("by line (each event goes to the innermost line of the cell running)",
-                     head, rows, notes)
-
-    def _recorded(self) -> str:
-        last = min(self.full_steps + 1, self.steps)
-        return "2" if last == 2 else f"2–{last:,}"
-
-    def slowest_line(self) -> LineRow | None:
-        return max(self.lines, key=lambda r: r.wall_s, default=None)
-
-    def __str__(self) -> str:
-        return "\n\n".join(t.text() for t in self.tables() if hasattr(t, "text"))
-
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        parts = []
-        for t in self.tables():
-            bundle = t._repr_mimebundle_()
-            parts.append(bundle.get("text/html") or bundle["text/plain"])
-        return {"text/plain": str(self), "text/html": "".join(parts)}
-
-
-_SORT_WORDS = {"self": "self CPU time", "total": "total CPU time", "device": "device time",
-               "memory": "memory allocated"}
-
-
-def _timed(lead: list, device_cell: object, device: bool, rest: list) -> list:
-    """A row (or header) of the op and line tables: the device column only where the
-    device's activity was recorded."""
-    return [*lead, *([device_cell] if device else []), *rest]
-
-
-def _bytes(n: int | None) -> str:
-    return fmt_bytes(n) if n else "-"
-
-
-def _short(text: str, width: int = 60) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 # --- one capture ----------------------------------------------------------------------------
 
 
@@ -968,6 +416,8 @@ class Capture:
     source: str = ""  # the cell's code, for the memory timeline's labels
     loops: dict[int, range] = field(default_factory=dict)  # outer_loops(the cell's code)
     traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
+    namespace: Mapping[str, Any] = field(default_factory=dict)  # the user's, for the advice
+    reads: Collection[str] = ()  # the namespace's names the cell and the code it calls read
     _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles()
 
     def __call__(
@@ -1107,6 +557,9 @@ class Capture:
             top = timeline.largest[0] if timeline is not None and timeline.largest else None
             if top is not None and top.line is not None:  # --memory: the peak's top line
                 setting.largest = (str(top.line), top.bytes, top.text)
+            # read after the run: the cell may have made the model
+            setting.data_parallel = data_parallel(
+                (n, self.namespace[n]) for n in sorted(self.reads) if n in self.namespace)
             return advise(events, analysis, names, setting)
         except Exception as err:  # ours: the profile itself is still shown
             _log.debug("the advice failed", exc_info=True)
@@ -1195,7 +648,7 @@ def _memory(cell_file: str, on: bool) -> Iterator[Any]:
 
 
 def _sync() -> None:
-    from .probes import active_accelerator
+    from ..probes import active_accelerator
 
     accel = active_accelerator()
     if accel is not None:

@@ -1,0 +1,166 @@
+"""What `%%profile` shows: `ProfileReport`, its overview, tables and advice, as text and HTML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..measure import Measurement
+from ..reports import Table
+from ..units import fmt_bytes, fmt_seconds, plural
+from .advice import Advice
+from .events import Analysis, KernelRow, LineRow, OpRow
+from .traces import LARGE_BYTES
+
+# --- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class ProfileReport:
+    """What `%%profile` shows, as data: the overview's figures and the three tables.
+
+    `profiler` is torch's own `torch.profiler.profile` object, for `key_averages()`.
+    """
+
+    label: str
+    runs: int
+    wall_s: float
+    measurement: Measurement | None
+    analysis: Analysis
+    trace_path: str | None
+    plain_wall_s: float | None = None  # a plain run of the same code, where one is known
+    plain_from: str | None = None  # where that figure comes from
+    partial: str | None = None  # why the profile is partial (the cell raised)
+    notes: list[str] = field(default_factory=list)
+    profiler: Any = None
+    timeline: Any = None  # the --memory timeline
+    sort: str = "self"
+    trace_bytes: int = 0
+    trace_temporary: bool = False  # the session's file, replaced by the next capture's
+    steps: int = 0  # the iterations of the cell's outer loop that began
+    full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
+    advice: list[Advice] = field(default_factory=list)  # what to change (advice)
+
+    @property
+    def ops(self) -> list[OpRow]:
+        return self.analysis.ops
+
+    @property
+    def kernels(self) -> list[KernelRow]:
+        return self.analysis.kernels
+
+    @property
+    def lines(self) -> list[LineRow]:
+        return self.analysis.lines
+
+    def overview(self) -> str:
+        a = self.analysis
+        runs = plural(self.runs, "run")
+        wall = f"wall {fmt_seconds(self.wall_s)}"
+        if self.runs > 1:
+            wall += f" ({fmt_seconds(self.wall_s / self.runs)} a run)"
+        if self.plain_wall_s:
+            wall += (f", {self.wall_s / self.runs / self.plain_wall_s:.2f}x the plain run "
+                     f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
+        parts = [f"%%profile {self.label}: {runs}, {wall}"]
+        if self.full_steps:
+            parts.append(f"steps {self._recorded()} of {self.steps:,} in full (ops, memory, "
+                         "trace); lines timed over all")
+        device = self.measurement.device if self.measurement is not None else None
+        if a.device_recorded and a.device_busy_s is not None:
+            share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
+            parts.append(f"{device or 'device'} busy {fmt_seconds(a.device_busy_s)} "
+                         f"({share:.0%} of the wall)")
+            parts.append(f"{a.launches:,} kernel launch{'' if a.launches == 1 else 'es'}")
+            size = "" if a.copy_bytes is None else f" ({fmt_bytes(a.copy_bytes)})"
+            parts.append(f"{a.copies:,} host-device cop{'y' if a.copies == 1 else 'ies'}{size}")
+            parts.append(plural(a.syncs, "synchronisation"))
+        parts.append(plural(a.op_calls, "op call"))
+        if self.trace_path is not None:
+            said = [fmt_bytes(self.trace_bytes)] if self.trace_bytes >= LARGE_BYTES else []
+            said += ["until the next %%profile"] if self.trace_temporary else []
+            parts.append(f"trace {self.trace_path}" + (f" ({', '.join(said)})" if said else ""))
+        return " | ".join(parts)
+
+    def tables(self) -> list[Table]:
+        a = self.analysis
+        device = a.device_recorded
+        notes = list(self.notes) + [f"stall: {s}" for s in a.stalls]
+        out = [Table(self.overview(), [], [], notes)]
+        if self.partial is not None:
+            out.insert(0, Table(f"PARTIAL: {self.partial}", [], []))
+        if a.lines:
+            out.append(self._line_table())
+        head = _timed(["op", "calls", "self CPU", "total CPU"], "device", device,
+                      ["allocated", "input shapes (most frequent)"])
+        rows = [_timed([r.name, r.calls, fmt_seconds(r.self_cpu_s), fmt_seconds(r.total_cpu_s)],
+                       fmt_seconds(r.device_s), device,
+                       [_bytes(r.allocated_bytes), r.shapes or "-"])
+                for r in a.ops]
+        sort = "self" if self.sort == "device" and not device else self.sort  # as sorted
+        out.append(Table(f"top ops by {_SORT_WORDS[sort]}", head, rows))
+        if a.kernels:
+            out.append(Table(
+                "top kernels by device time", ["kernel", "calls", "device", "launched by"],
+                [[_short(k.name), k.calls, fmt_seconds(k.device_s), k.launched_by]
+                 for k in a.kernels],
+            ))
+        if self.timeline is not None:
+            out.append(self.timeline)
+        if self.advice:
+            out.append(Table("advice", [], [], [a.text for a in self.advice]))
+        return out
+
+    def _line_table(self) -> Table:
+        a = self.analysis
+        device = a.device_recorded
+        head = _timed(["line", "hits", "wall", "torch CPU"], "device", device,
+                      ["allocated", "code"])
+        rows = [_timed([r.where, r.hits, fmt_seconds(r.wall_s), fmt_seconds(r.cpu_s)],
+                       fmt_seconds(r.device_s), device, [_bytes(r.allocated_bytes), _short(r.code)])
+                for r in a.lines]
+        notes = []
+        if self.full_steps:
+            notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
+                         f"and allocated: steps {self._recorded()} (--steps 0 records all)")
+        slowest = self.slowest_line()
+        if slowest is not None and self.wall_s:
+            notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
+                         f"the wall: {_short(slowest.code)}")
+        return Table("by line (each event goes to the innermost line of the cell running)",
+                     head, rows, notes)
+
+    def _recorded(self) -> str:
+        last = min(self.full_steps + 1, self.steps)
+        return "2" if last == 2 else f"2–{last:,}"
+
+    def slowest_line(self) -> LineRow | None:
+        return max(self.lines, key=lambda r: r.wall_s, default=None)
+
+    def __str__(self) -> str:
+        return "\n\n".join(t.text() for t in self.tables() if hasattr(t, "text"))
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        parts = []
+        for t in self.tables():
+            bundle = t._repr_mimebundle_()
+            parts.append(bundle.get("text/html") or bundle["text/plain"])
+        return {"text/plain": str(self), "text/html": "".join(parts)}
+
+
+_SORT_WORDS = {"self": "self CPU time", "total": "total CPU time", "device": "device time",
+               "memory": "memory allocated"}
+
+
+def _timed(lead: list, device_cell: object, device: bool, rest: list) -> list:
+    """A row (or header) of the op and line tables: the device column only where the
+    device's activity was recorded."""
+    return [*lead, *([device_cell] if device else []), *rest]
+
+
+def _bytes(n: int | None) -> str:
+    return fmt_bytes(n) if n else "-"
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -189,6 +189,14 @@ def test_devreport_turns_it_back_on_and_says_how_it_is_set(ip, capsys):
     assert "cells reaching at least 2.50 s" in capsys.readouterr().out
 
 
+def test_devreport_status_counts_one_cell_in_the_singular(ip, capsys):
+    ip.run_line_magic("devreport", "status")  # not a cell: nothing in the history yet
+    assert "0 cells in the history" in capsys.readouterr().out
+    run(ip, "%devreport status")  # this cell is recorded once it ends
+    run(ip, "%devreport status")
+    assert "1 cell in the history" in capsys.readouterr().out
+
+
 def test_thresholds_show_only_cells_that_reach_one(ip, capsys):
     run(ip, "%config TorchDeviceMagics.report_min_bytes = 16 * 2**20")
     capsys.readouterr()

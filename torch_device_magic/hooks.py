@@ -50,7 +50,7 @@ from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
 from .probes import clock, cuda_built, rss_and_high_water, runtime_up
-from .units import fmt_bytes, fmt_seconds
+from .units import fmt_bytes, fmt_seconds, plural
 
 HISTORY_SIZE = 1000
 _CUDA_START = "_torch_device_magic_cuda_start"  # the shell's attribute: see `_hook`
@@ -177,7 +177,7 @@ class CellReporter:
         line = (
             f"per-cell report: {'on' if self.registered else 'off'} ({shown}; "
             f"synchronise: {'on' if self.sync else 'off'}); "
-            f"{len(self.history)} cells in the history (%devhistory)"
+            f"{plural(len(self.history), 'cell')} in the history (%devhistory)"
         )
         if not self.registered:
             return line

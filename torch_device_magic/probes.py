@@ -82,10 +82,11 @@ class ProcHighWater:
 
     Four cheap system calls a cell, on files kept open: the reset (`clear_refs`)
     and RSS (`statm`) before; the high-water mark (`getrusage`, the same counter
-    as `VmHWM`) and RSS after. getrusage also keeps the highest mark any exited
-    thread saw, and never forgets it: so where it reads more than `_SLACK` above
-    the start, the mark is read from `/proc/self/status` instead (one slower call,
-    only in cells that used memory).
+    as `VmHWM`) and RSS after. getrusage is asked for this thread (`RUSAGE_THREAD`:
+    the same mark, without summing every thread's CPU time as `RUSAGE_SELF` does).
+    It also keeps the highest mark any exited thread saw, and never forgets it: so
+    where it reads more than `_SLACK` above the start, the mark is read from
+    `/proc/self/status` instead (one slower call, only in cells that used memory).
     """
 
     def __init__(self, proc: str = "/proc/self") -> None:
@@ -94,7 +95,7 @@ class ProcHighWater:
         self._statm = self._open(f"{proc}/statm", os.O_RDONLY)
         self._status = self._open(f"{proc}/status", os.O_RDONLY)
         self._rss0: int | None = None
-        self.cpu_s: float | None = None  # the process's CPU time at the last stop (getrusage's)
+        self.cpu_s: float | None = None  # this thread's CPU time at the last stop (getrusage's)
         self.start()  # fails here, not in a user's cell, where the kernel refuses the reset
         if self.stop() == (None, None):
             self.close()
@@ -124,7 +125,7 @@ class ProcHighWater:
         if rss0 is None:
             return None, None
         try:
-            usage = resource.getrusage(resource.RUSAGE_SELF)
+            usage = resource.getrusage(_RUSAGE)
             self.cpu_s = usage.ru_utime + usage.ru_stime
             hwm = usage.ru_maxrss * 1024  # KiB on Linux
             rss = self._rss()
@@ -144,6 +145,8 @@ class ProcHighWater:
         self._fds.clear()
 
 
+# The high-water mark is the process's either way; the thread's asks sum no other thread.
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", getattr(resource, "RUSAGE_SELF", 0))
 _SLACK = 256 * 1024  # below this a cell's peak is read from getrusage, within this much
 
 
@@ -236,10 +239,13 @@ def malloc_free_reader() -> Callable[[], tuple[int, int]] | None:
 
     It walks every free chunk, so its cost follows that number: about 1 µs on a compact
     heap, 5–40 ms with a quarter of a million free chunks (the caller decides when it can
-    afford it). `mallopt(M_ARENA_TEST, 0)` first consolidates the main arena's fast bins,
-    as glibc's next large malloc would (after a mass free that turns hundreds of thousands
-    of chunks into a few dozen), and changes no setting (only a value above 0 is taken).
-    Unlike a malloc and free, it never trims the heap, so the reading gives nothing back.
+    afford it). Where the fast bins hold more than `_FAST_CHUNKS` chunks (after a mass
+    free of small blocks), `mallopt(M_ARENA_TEST, 0)` consolidates the main arena's fast
+    bins, as glibc's next large malloc would, turning hundreds of thousands of chunks into
+    a few dozen, and the walk is taken again; it changes no setting (only a value above 0
+    is taken) and, unlike a malloc and free, never trims the heap, so the reading gives
+    nothing back. A compact heap is walked once, without it (a `mallopt` costs about what
+    the walk does).
     """
     try:
         import ctypes
@@ -258,14 +264,17 @@ def malloc_free_reader() -> Callable[[], tuple[int, int]] | None:
     mallopt.restype, mallopt.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
 
     def read() -> tuple[int, int]:
-        mallopt(_M_ARENA_TEST, 0)
         info = mallinfo2()
-        return int(info.fordblks), int(info.ordblks + info.smblks)
+        if info.smblks > _FAST_CHUNKS:
+            mallopt(_M_ARENA_TEST, 0)
+            info = mallinfo2()
+        return info.fordblks, info.ordblks + info.smblks
 
     return read
 
 
 _M_ARENA_TEST = -7  # malloc.h; mallopt consolidates the main arena whatever the parameter
+_FAST_CHUNKS = 256  # more chunks than this in the fast bins: consolidate before the walk
 
 
 def host_probe() -> HostProbe:

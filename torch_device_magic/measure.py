@@ -170,9 +170,9 @@ class FreeHeap:
     every cell, however short, while the last reading walked at most 1,000 free chunks
     (a few µs, up to ~100 µs where they have left the CPU's caches): a quick cell can
     free hundreds of MiB of large heap blocks without RSS moving. On a heap with more
-    (a fragmented one), a reading is taken only after a cell that kept the process
-    busy (CPU time, as getrusage read it for the peak, since the last cell; the wall
-    time where there is none) 100 times as long as the last reading took; the cells
+    (a fragmented one), a reading is taken only after a cell that kept the main
+    thread busy (its CPU time, as getrusage read it for the peak, since the last cell;
+    the wall time where there is none) 100 times as long as the last reading took; the cells
     between read their RSS change as it is. Each figure spans one cell:
     a cell not read ends the count, and the next one read starts it again.
     """
@@ -325,11 +325,12 @@ class Meter:
         if delta is None:  # RSS unread: no figure to correct, and the count starts again
             self._heap.free_bytes = None
             return delta, peak
-        # The cell's CPU time since the last stop (getrusage's, read for the peak), or
-        # `wall_s` where the probe reads none: a cell waiting for a loaded CPU did no work.
+        # The thread's CPU time since the last stop (getrusage's, read for the peak), or
+        # `wall_s` where the probe reads none or the last stop ran on another thread (a
+        # kernel's subshell): a cell waiting for a loaded CPU did no work.
         cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
         self._cpu_s = cpu
-        busy_s = wall_s if cpu is None or before is None else cpu - before
+        busy_s = wall_s if cpu is None or before is None or cpu < before else cpu - before
         delta -= self._heap.correction(delta, busy_s)
         return delta, None if peak is None else max(peak, delta)
 

@@ -56,6 +56,24 @@ def test_kept_allocation_is_the_delta(make):
     assert peak == pytest.approx(256 * MiB, rel=0.10)
 
 
+@pytest.mark.parametrize("make", host_probes())
+def test_a_peak_made_by_another_thread_is_the_cells(make):
+    """The high-water mark is the process's, though getrusage is asked for this thread."""
+    import threading
+
+    probe = make()
+    try:
+        probe.start()
+        worker = threading.Thread(target=lambda: allocate(256 * MiB))  # made and freed there
+        worker.start()
+        worker.join()
+        delta, peak = probe.stop()
+    finally:
+        probe.close()
+    assert peak == pytest.approx(256 * MiB, rel=0.10)
+    assert abs(delta) < 0.10 * 256 * MiB
+
+
 def test_host_probe_falls_back_to_sampling_where_proc_refuses(monkeypatch):
     def refuse(*args):
         raise PermissionError("clear_refs")

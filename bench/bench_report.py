@@ -188,16 +188,21 @@ def in_process(
         old = package_at(commit)
         modes[f"ours at {commit}"] = ([f"%load_ext {old}"], [f"%unload_ext {old}"])
 
+    def set_up(steps: list) -> None:  # lines to run, or callables taking the shell
+        for step in steps:
+            if callable(step):
+                step(ip)
+            else:
+                ip.run_cell(step)
+
     def run_block(mode: str, n: int) -> float:
         before, after = modes[mode]
-        for line in before:
-            line(ip) if callable(line) else ip.run_cell(line)
+        set_up(before)
         start = clock()
         for _ in range(n):
             ip.run_cell(CELL, store_history=True)
         elapsed = (clock() - start) / n
-        for line in after:
-            line(ip) if callable(line) else ip.run_cell(line)
+        set_up(after)
         return elapsed
 
     with quiet():

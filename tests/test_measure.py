@@ -235,3 +235,47 @@ def test_a_dear_reading_waits_for_a_cell_it_costs_one_percent_of(monkeypatch):
     assert free.correction(0, busy_s=5.0) == 0 and heap.reads == 4
     heap.free += 2**20
     assert free.correction(0, busy_s=1e-6) == 2**20  # from then on, quick cells are read
+
+
+class CpuHost:
+    """A host probe that reads no memory and says the CPU time it is given."""
+
+    cpu_s: float | None = None
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> tuple[int, int]:
+        return 0, 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_dear_reading_is_timed_against_the_cpu_of_the_thread_that_runs_the_cell(monkeypatch):
+    """The host probe's CPU time is its thread's: a stop on another thread than the last
+    (a kernel's subshell) cannot subtract one thread's time from another's."""
+    import threading
+
+    heap = Heap(monkeypatch, cost_s=0.03, chunks=250_000)  # fragmented: 30 ms a reading
+    host = CpuHost()
+    meter = measure.Meter(host=host)
+    meter._heap = measure.FreeHeap(heap)
+
+    def cell(cpu_s: float) -> None:
+        meter.start()
+        host.cpu_s = cpu_s
+        meter.stop()
+
+    cell(1.0)  # the first reading learns its cost; no CPU time to compare with yet
+    assert heap.reads == 1
+    cell(1.5)  # 0.5 s of this thread's CPU: 6% of the cell goes to a reading, not taken
+    assert heap.reads == 1
+    other = threading.Thread(target=cell, args=(100.0,))  # another thread's count
+    other.start()
+    other.join()
+    assert heap.reads == 1  # its wall time (none here), not 98.5 s across two threads
+    cell(101.0)
+    assert heap.reads == 1  # the last stop was the other thread's: wall time again
+    cell(106.0)  # 5 s of this thread's CPU: a reading is affordable
+    assert heap.reads == 2

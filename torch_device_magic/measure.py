@@ -13,6 +13,7 @@ moment between start and stop.
 from __future__ import annotations
 
 import html
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -238,7 +239,8 @@ class Meter:
         self._t0 = clock()
         read = malloc_free_reader() if host is None else None
         self._heap = None if read is None else FreeHeap(read)
-        self._cpu_s: float | None = None  # the host probe's CPU time at the last stop
+        # The host probe's CPU time at the last stop, and the thread that read it.
+        self._cpu_s: tuple[int, float] | None = None
 
     def start(self, device: str | torch.device | None = None) -> None:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
@@ -329,8 +331,11 @@ class Meter:
         # `wall_s` where the probe reads none or the last stop ran on another thread (a
         # kernel's subshell): a cell waiting for a loaded CPU did no work.
         cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
-        self._cpu_s = cpu
-        busy_s = wall_s if cpu is None or before is None or cpu < before else cpu - before
+        thread = threading.get_ident()
+        self._cpu_s = None if cpu is None else (thread, cpu)
+        busy_s = wall_s
+        if cpu is not None and before is not None and before[0] == thread:
+            busy_s = cpu - before[1]
         delta -= self._heap.correction(delta, busy_s)
         return delta, None if peak is None else max(peak, delta)
 

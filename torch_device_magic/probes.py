@@ -145,7 +145,7 @@ class ProcHighWater:
         self._fds.clear()
 
 
-# The high-water mark is the process's either way; the thread's asks sum no other thread.
+# The same high-water mark either way; the thread's reading sums no other thread's CPU.
 _RUSAGE = getattr(resource, "RUSAGE_THREAD", getattr(resource, "RUSAGE_SELF", 0))
 _SLACK = 256 * 1024  # below this a cell's peak is read from getrusage, within this much
 

@@ -345,3 +345,13 @@ class FakeMachine:
         monkeypatch.setattr(probes, "mps_available", lambda: False)
         monkeypatch.setattr(probes, "_MPS_BUILT", False)
         return self
+
+
+def loaded_with_gpu(shell: Any, monkeypatch: Any, gpu: Gpu) -> FakeMachine:
+    """`gpu` with a context, then the extension loaded in `shell` (it reads the kinds at
+    load), the machine in the namespace as `machine`."""
+    machine = FakeMachine([gpu]).install(monkeypatch)
+    machine.start_cuda(0)
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    shell.user_ns["machine"] = machine
+    return machine

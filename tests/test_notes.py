@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 
 import pytest
-from fakegpu import GIB, FakeMachine, Gpu
+from fakegpu import GIB, FakeMachine, Gpu, loaded_with_gpu
 from IPython.core.interactiveshell import InteractiveShell
 
 from torch_device_magic.hints import PREFIX
@@ -224,11 +224,7 @@ def test_an_inductor_compile_is_said_once(ip):
 
 
 def gpu(shell, monkeypatch) -> FakeMachine:
-    machine = FakeMachine([Gpu("A", total=80 * GIB)]).install(monkeypatch)
-    machine.start_cuda(0)
-    shell.run_line_magic("load_ext", "torch_device_magic")
-    shell.user_ns["machine"] = machine
-    return machine
+    return loaded_with_gpu(shell, monkeypatch, Gpu("A", total=80 * GIB))
 
 
 def test_a_peak_near_the_devices_capacity_says_so(shell, capsys, monkeypatch):

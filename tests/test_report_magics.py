@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from fakegpu import FakeMachine, Gpu
+from fakegpu import Gpu, loaded_with_gpu
 from IPython.core.error import UsageError
 from traitlets import TraitError
 
@@ -480,17 +480,8 @@ def test_report_traits_from_ipython_config(tmp_path, setting, status):
     assert not report_lines(out)
 
 
-def gpu_machine(shell, monkeypatch) -> FakeMachine:
-    """One fake GPU with a context, then the extension loaded (it reads the kinds at load)."""
-    machine = FakeMachine([Gpu("A")]).install(monkeypatch)
-    machine.start_cuda(0)
-    shell.run_line_magic("load_ext", "torch_device_magic")
-    shell.user_ns["machine"] = machine
-    return machine
-
-
 def test_a_cuda_error_at_the_end_of_the_cell_is_always_said(shell, capsys, monkeypatch):
-    gpu_machine(shell, monkeypatch)
+    loaded_with_gpu(shell, monkeypatch, Gpu("A"))
     run(shell, "%config TorchDeviceMagics.report_min_seconds = 60")  # this cell is not slow
     capsys.readouterr()
     run(shell, "machine.sticky = 'an illegal memory access was encountered'")
@@ -506,7 +497,7 @@ def test_a_cuda_error_at_the_end_of_the_cell_is_always_said(shell, capsys, monke
 
 
 def test_ctrl_c_during_the_end_of_cell_sync_is_one_line(shell, capsys, monkeypatch):
-    gpu_machine(shell, monkeypatch)
+    loaded_with_gpu(shell, monkeypatch, Gpu("A"))
 
     def interrupted(self):
         raise KeyboardInterrupt

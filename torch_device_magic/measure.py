@@ -171,10 +171,10 @@ class FreeHeap:
     every cell, however short, while the last reading walked at most 1,000 free chunks
     (a few µs, up to ~100 µs where they have left the CPU's caches): a quick cell can
     free hundreds of MiB of large heap blocks without RSS moving. On a heap with more
-    (a fragmented one), a reading is taken only after a cell that kept the main
-    thread busy (its CPU time, as getrusage read it for the peak, since the last cell;
-    the wall time where there is none) 100 times as long as the last reading took; the cells
-    between read their RSS change as it is. Each figure spans one cell:
+    (a fragmented one), a reading is taken only after a cell that kept its thread
+    busy (its CPU time, as getrusage read it for the peak, since the last cell on that
+    thread; the wall time where there is none) 100 times as long as the last reading
+    took; the cells between read their RSS change as it is. Each figure spans one cell:
     a cell not read ends the count, and the next one read starts it again.
     """
 

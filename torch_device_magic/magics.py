@@ -22,8 +22,9 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_
 from IPython.display import display
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 
-from . import cells, devices, gpumem, hints, holders, moving, profile, reach
-from .advice import Advisor
+from . import cells, devices, gpumem, moving, profile, reach
+from .advice import hints, holders
+from .advice.notes import Advisor
 from .devcompare import compare, devices_to_compare
 from .devices import EXAMPLES, device_table, resolve, take_inventory
 from .errors import DeviceMagicError

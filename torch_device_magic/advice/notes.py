@@ -44,6 +44,7 @@ from .thresholds import (
     INFERENCE_MIN_BYTES,
     NEAR_CAPACITY_SHARE,
     TRACEBACK_MIN_BYTES,
+    capacity_share,
 )
 
 _log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ class Note:
 
 def near_capacity(device: str, peak_bytes: int, total_bytes: int) -> Note | None:
     """The cell's peak reached NEAR_CAPACITY_SHARE of the device's memory."""
-    share = peak_bytes / total_bytes
-    if share < NEAR_CAPACITY_SHARE:
+    share = capacity_share(peak_bytes, total_bytes)
+    if share is None:
         return None
     return Note("near_capacity", f"peak at {share:.0%} of {device}: a larger batch will likely "
                 "run out of memory; see %%profile --memory", share, NEAR_CAPACITY_SHARE, device)
@@ -238,13 +239,11 @@ class Advisor:
         return self._totals[device]
 
     def _near_capacity(self, record: Any) -> Note | None:
-        if record.device_allocated_bytes is None or record.device_delta_bytes is None:
-            return None
+        peak = record.device_top_bytes()
         total = self.total_bytes(record.device)
-        if not total:
+        if peak is None or not total:
             return None
-        start = record.device_allocated_bytes - record.device_delta_bytes
-        return near_capacity(record.device, start + record.device_peak_bytes, total)
+        return near_capacity(record.device, peak, total)
 
     def _displayed(self, value: object, cell: int | None) -> Note | None:
         held = _tensor_bytes(value)

@@ -162,14 +162,15 @@ class Capture:
         self.events.append(Event(name, "line", start, end))
 
     def launch(self, op: str, kernel: str, start: int, launch_ns: int, kernel_ns: int,
-               shapes: tuple = ((64, 64), (64, 64)), parent: str | None = None) -> None:
+               shapes: tuple = ((64, 64), (64, 64)), parent: str | None = None,
+               dtypes: tuple = ()) -> None:
         self._id += 1
         op_id, cupti = self._id, 100_000 + self._id
         end = start + launch_ns + 2
         if parent is not None:
             self.events.append(Event(parent, "op", start, end + 1, shapes=shapes))
         self.events += [
-            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes),
+            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes, dtypes=dtypes),
             Event("cudaLaunchKernel", "runtime", start + 1, start + 1 + launch_ns,
                   correlation=cupti, linked=op_id),
             Event(kernel, "kernel", start + launch_ns, start + launch_ns + kernel_ns,

@@ -170,7 +170,8 @@ class Capture:
         if parent is not None:
             self.events.append(Event(parent, "op", start, end + 1, shapes=shapes))
         self.events += [
-            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes, dtypes=dtypes),
+            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes,
+                  **({"dtypes": dtypes} if dtypes else {})),
             Event("cudaLaunchKernel", "runtime", start + 1, start + 1 + launch_ns,
                   correlation=cupti, linked=op_id),
             Event(kernel, "kernel", start + launch_ns, start + launch_ns + kernel_ns,

@@ -61,6 +61,68 @@ def test_one_batched_call_gets_no_tiny_ops_advice(ip, capsys, monkeypatch):
     assert "advice" not in capsys.readouterr().out  # nothing crosses: no section
 
 
+def _stepped(body: list[tuple[int, str, str | None, int]], steps: int) -> tuple[Capture, float]:
+    """A cell's loop (line 1) of `steps` steps, each running `body` in order: (line, code,
+    the op it calls or None, its ns). The capture and its wall."""
+    c, t = Capture(), 0
+    for _ in range(steps + 1):  # the header's last check ends the loop
+        c.line(1, "for step in range(steps):", t, t + 100)
+        t += 100
+        if _ == steps:
+            break
+        for n, code, op, ns in body:
+            c.line(n, code, t, t + ns)
+            if op is not None:
+                c.events.append(Event(op, "op", t + 10, t + ns - 10))
+            t += ns
+    return c, t / 1e9
+
+
+def _inner(code: str, op: str, n: int = 17, ns: int = 10_000) -> list:
+    """An inner loop (line 2) over `n` items whose body (line 3) is `code`."""
+    header = (2, "for p in parameters:", None, 200)
+    return [header, (3, code, op, ns)] * n + [header]
+
+
+def _tiny(body: list, steps: int) -> list[Advice]:
+    c, wall = _stepped(body, steps)
+    return [a for a in c.advise(wall_s=wall) if a.rule == "tiny ops"]
+
+
+def test_a_parameter_update_in_a_loop_is_advised_foreach():
+    [tiny] = _tiny(_inner("p.data += -0.1 * p.grad", "aten::mul"), 100)
+    assert tiny.line == "3" and "line 3 ran 1,700 times: 1,700 calls of aten::mul" in tiny.text
+    assert "foreach=True" in tiny.text and "torch._foreach_add_" in tiny.text
+    assert "torch.randn" not in tiny.text
+
+
+def test_indexing_in_a_loop_is_advised_one_gather():
+    [tiny] = _tiny(_inner("dC[ix[k, j]] += demb[k, j]", "aten::select"), 100)
+    assert "index once with a tensor of all the indices" in tiny.text
+
+
+def test_a_line_of_unknown_kind_is_said_slow_without_an_example():
+    [tiny] = _tiny(_inner("out.append(torch.tanh(p))", "aten::tanh"), 100)
+    assert tiny.text.endswith("do the work in fewer, larger calls")
+
+
+def test_a_comprehension_counts_the_statements_runs_not_its_iterations():
+    line = "ud.append([((lr * p.grad).std() / p.data.std()).log10().item() for p in parameters])"
+    body = [(2, line, "aten::std", 1_000)] * 21 + [(3, "i += 1", None, 100)]
+    [tiny] = _tiny(body, 1001)
+    assert "line 2 ran 1,001 times (21,021 iterations of its loop or comprehension)" in tiny.text
+    assert "21,021 calls of aten::std" in tiny.text
+
+
+@pytest.mark.parametrize("body", [
+    _inner("x = layer(x)", "aten::linear"),  # 17 layers in sequence, each on the last's output
+    [(2, "y_pred = model(xx)", "aten::linear", 20_000),  # a full-batch step: once a step
+     (3, "loss = ((y_pred - yy) ** 2).mean()", "aten::mean", 2_000)],
+], ids=["a chain of layers", "a step of gradient descent"])
+def test_sequential_work_gets_no_tiny_ops_advice(body):
+    assert _tiny(body, 2000 if len(body) == 2 else 100) == []
+
+
 LOADER = """from torch.utils.data import DataLoader, Dataset
 class Slow(Dataset):
     def __len__(self):

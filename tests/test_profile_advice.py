@@ -452,6 +452,35 @@ def test_on_a_gpu_fp32_matmuls_are_advised_tensor_cores(on_gpu):
 
 
 @pytest.mark.cuda
+def test_on_a_gpu_half_precision_and_tf32_are_not_advised_tensor_cores(on_gpu):
+    if torch.cuda.get_device_capability() < (7, 0):
+        pytest.skip("no tensor cores on this device")
+    on_gpu.run_cell("h = x.half()\nb = x.bfloat16()\nconv = torch.nn.Conv2d(3, 16, 3).cuda()\n"
+                    "imgs = torch.randn(8, 3, 64, 64, device='cuda')")
+    for cell in ("for _ in range(3):\n    y = h @ h", "for _ in range(3):\n    y = b @ b"):
+        assert "tensor cores" not in gpu_rules(on_gpu, cell)
+    cudnn = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True  # torch's default
+        assert "tensor cores" not in gpu_rules(on_gpu, "for _ in range(3):\n    y = conv(imgs)")
+        torch.backends.cudnn.allow_tf32 = False
+        got = gpu_rules(on_gpu, "for _ in range(3):\n    y = conv(imgs)")["tensor cores"]
+        assert "torch.backends.cudnn.allow_tf32 = True" in got.text
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_profilers_own_rows_are_no_ops(on_gpu):
+    report = profile(on_gpu, "--steps 0 --top 100",
+                     "b = x.bfloat16()\nfor _ in range(3):\n    y = (b @ b).float().sum().item()")
+    names = {r.name for r in report.analysis.ops} | {k.name for k in report.analysis.kernels}
+    assert not names & {"Activity Buffer Request", "INVALID", "Lazy Function Loading",
+                        "cuLaunchKernelEx"}
+    assert report.analysis.copies and report.analysis.copies_unsized == 0  # .item()'s sized
+
+
+@pytest.mark.cuda
 def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
     total = torch.cuda.get_device_properties(0).total_memory
     free, _ = torch.cuda.mem_get_info()

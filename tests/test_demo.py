@@ -118,7 +118,9 @@ def test_what_the_tutorial_teaches_is_what_happens(ran):
     assert "requires_grad: False" in shown(ran, "evaluate")
     assert "same predictions: True" in shown(ran, "checkpoint")
     assert "slowest: line 1, " in shown(ran, "profile")  # the batch built one sample at a time
-    assert re.search(r"line 1 ran 2,00\d times", shown(ran, "profile"))  # the advice: batch it
+    # the advice: batch it (one run of the line, its comprehension's calls)
+    assert re.search(r"line 1 ran 1 time \(2,00\d iterations .*: 2,000 calls of aten::randn",
+                     shown(ran, "profile"))
     assert "one batched call (torch.randn(2000, 8)" in shown(ran, "profile")
     assert re.search(r"^time .* \(profiled\) \| ", shown(ran, "profile"), re.M)
     assert re.search(r"^batch +\(65536, 8\) +float32", shown(ran, "gpumem"), re.M)

@@ -89,7 +89,7 @@ def from_kineto(result: Any) -> list[Event]:
             kind = ("memcpy" if "memcpy" in activity or name.startswith("Memcpy")
                     else "memset" if "memset" in activity or name.startswith("Memset")
                     else "kernel")
-        elif activity in _RUNTIME or _driver_call(name) or (
+        elif activity in _RUNTIME or _driver_call(name, activity) or (
                 older and name.startswith(("cuda", "hip"))):
             kind = "runtime"
         elif name in _FILTERED or e.is_async() or e.start_thread_id() != e.end_thread_id():
@@ -126,9 +126,11 @@ def _profilers_own(name: str, activity: str) -> bool:
     return activity == "overhead" or name in _PROFILERS_OWN
 
 
-def _driver_call(name: str) -> bool:
-    """A CUDA driver API call (cuLaunchKernelEx), whatever activity kineto gave it."""
-    return name.startswith("cu") and name[2:3].isupper()
+def _driver_call(name: str, activity: str) -> bool:
+    """A CUDA driver API call (cuLaunchKernelEx), whatever activity kineto gave it; a
+    user's range of that look is one of theirs."""
+    return (activity != "user_annotation" and name.startswith("cu") and name[2:3].isupper()
+            and name.isalnum())
 
 
 def _copied_bytes(event: Any) -> int:

@@ -230,23 +230,26 @@ def tiny_ops(f: _Facts) -> Advice | None:
     wall = f.setting.wall_s
     if not wall or f.cold():
         return None
-    steps = _steps(f)
+    steps, names = _steps(f), {w: n for n, (w, _) in f.line_names.items()}
+    counts = None
     for row in sorted(f.analysis.lines, key=lambda r: -r.wall_s):
-        name = next((n for n, (w, _) in f.line_names.items() if w == row.where), None)
+        name = names.get(row.where)
         if (name is None or row.hits / steps <= 1 or row.wall_s / wall < TINY_SHARE
                 or _chained(row.code)):
             continue
-        op, calls, runs = _calls(f, name, row.hits)
+        counts = counts or _LineCounts(f)
+        op, calls, runs = counts.of(name, row.hits)
         each, share = row.wall_s / calls, row.wall_s / wall
         if calls < TINY_HITS or each >= TINY_HIT_S:
             continue
         ran = (f"ran {plural(runs, 'time')} ({row.hits:,} iterations of its loop or "
                f"comprehension)" if runs != row.hits else f"ran {row.hits:,} times")
-        what = f"{calls:,} calls of {op}" if op else f"{calls:,} runs"
+        what = f"{calls:,} calls of {op} at {fmt_seconds(each)} a call" if op else (
+            f"at {fmt_seconds(each)} a time")
         return Advice("tiny ops", share, TINY_SHARE, row.where, (
-            f"line {row.where} {ran}: {what} at {fmt_seconds(each)} a call took {share:.0%} of "
-            f"the wall (over {TINY_SHARE:.0%}), mostly the per-call overhead of small ops; "
-            f"{_batched(f, row.code, op, calls // max(runs, 1))}"))
+            f"line {row.where} {ran}: {what} took {share:.0%} of the wall (over "
+            f"{TINY_SHARE:.0%}), mostly the per-call overhead of small ops; "
+            f"{_batched(f, row.code, op, calls // runs)}"))
     return None
 
 
@@ -258,23 +261,35 @@ def _steps(f: _Facts) -> int:
     return max(min(headers, default=1), 1)
 
 
-def _calls(f: _Facts, name: str, hits: int) -> tuple[str | None, int, int]:
-    """The op a line range called most often (at the top, not inside another op), its
-    calls and the line's statement runs (a comprehension's iterations are one run), both
-    over every step: the events' counts scaled by the line's hits where they cover fewer."""
-    mine = sorted((e for e in f.of_kind("line") if e.name == name), key=lambda e: e.start_ns)
-    if not mine:
-        return None, hits, hits
-    every = sorted(f.of_kind("line"), key=lambda e: e.start_ns)
-    runs = sum(1 for a, b in zip([None, *every], every) if b.name == name
-               and (a is None or a.name != name))
-    ops = Counter(e.name for e in f.of_kind("op") if e.line == name
-                  and (e.parent is None or e.parent.kind == "line"))
-    scale = hits / len(mine)
-    if not ops:
-        return None, hits, round(runs * scale)
-    op, n = ops.most_common(1)[0]
-    return op, round(n * scale), max(round(runs * scale), 1)
+class _LineCounts:
+    """Per line range, counted once over the events: its events, its statement runs
+    (consecutive events of one range are one run: a comprehension's iterations), and the
+    ops it called at the top (not inside another op)."""
+
+    def __init__(self, f: _Facts) -> None:
+        self.events: Counter[str] = Counter()
+        self.runs: Counter[str] = Counter()
+        last = None
+        for e in sorted(f.of_kind("line"), key=lambda e: e.start_ns):
+            self.events[e.name] += 1
+            self.runs[e.name] += e.name != last
+            last = e.name
+        self.ops: dict[str, Counter[str]] = defaultdict(Counter)
+        for e in f.of_kind("op"):
+            if e.line is not None and (e.parent is None or e.parent.kind == "line"):
+                self.ops[e.line][e.name] += 1
+
+    def of(self, name: str, hits: int) -> tuple[str | None, int, int]:
+        """A line range's most called op, its calls and the line's runs, over every step:
+        the events' counts scaled by the line's hits where the events cover fewer steps."""
+        if not self.events[name]:
+            return None, hits, hits
+        scale = hits / self.events[name]
+        runs = max(round(self.runs[name] * scale), 1)
+        if not self.ops[name]:
+            return None, hits, runs
+        op, n = self.ops[name].most_common(1)[0]
+        return op, round(n * scale), runs
 
 
 def _chained(code: str) -> bool:

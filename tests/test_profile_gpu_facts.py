@@ -92,6 +92,19 @@ def test_the_ops_inputs_come_before_the_kernels_name():
         wall_s=4e-4, capability=(9, 0)))
 
 
+def test_from_kineto_reads_the_dtypes_of_matmuls_and_copies_only():
+    bf16 = torch.ones(4, 4, dtype=torch.bfloat16)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        bf16 @ bf16
+        torch.ones(8).to(torch.float64)
+    events = from_kineto(prof.profiler.kineto_results)
+    [mm] = [e for e in events if e.name == "aten::mm"]
+    assert mm.dtypes[:2] == ("c10::BFloat16", "c10::BFloat16")
+    [copy] = [e for e in events if e.name == "aten::copy_"]
+    assert copy.dtypes[:2] == ("double", "float") and copy.shapes[1] == (8,)
+    assert [e.dtypes for e in events if e.name == "aten::ones"] == [()]  # not asked
+
+
 @pytest.fixture
 def tf32_settings():
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32

@@ -40,11 +40,12 @@ from .thresholds import (
 if TYPE_CHECKING:
     from ..profile.events import Analysis, Event
 
-_MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
                      "aten::linear", "aten::convolution", "aten::_convolution",
-                     "aten::cudnn_convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d"})
+                     "aten::cudnn_convolution", "aten::conv1d", "aten::conv2d",
+                     "aten::conv3d"})
 # the ops whose fp32 inputs take tensor cores under torch.backends.cuda.matmul's TF32; the
-# other _MATMUL ops are convolutions, under torch.backends.cudnn's
+# other MATMULS are convolutions, under torch.backends.cudnn's
 _CUBLAS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
                      "aten::linear"})
 _REDUCED = ("c10::Half", "c10::BFloat16", "c10::Float8")  # kineto's dtype names: tensor cores
@@ -428,7 +429,7 @@ def tensor_cores(f: _Facts) -> Advice | None:
     without: list[tuple[Event, Event]] = []  # (kernel, its matmul or convolution)
     for k in f.of_kind("kernel"):
         op = by_id.get(k.linked)
-        while op is not None and op.name not in _MATMUL:
+        while op is not None and op.name not in MATMULS:
             op = op.parent
         if op is None:
             continue

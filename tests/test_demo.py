@@ -117,9 +117,9 @@ def test_what_the_tutorial_teaches_is_what_happens(ran):
     assert "False" in shown(ran, "nograd") and "True" in shown(ran, "grad-back")
     assert "requires_grad: False" in shown(ran, "evaluate")
     assert "same predictions: True" in shown(ran, "checkpoint")
-    # The batch built one sample at a time: 10,000 calls, 150-350 ms. On a loaded 2-core
-    # machine each later line can wait 10-90 ms for a core in its multithreaded ops (not
-    # the tiny ones), which outweighed 2,000 calls (15-100 ms); measured, not assumed.
+    # The batch built one sample at a time: 10,000 calls, 180-650 ms on a loaded 2-core
+    # machine, where each later line can wait 10-100 ms for a core in its multithreaded
+    # ops (not the tiny ones): that outweighed 2,000 calls (15-100 ms). Measured.
     assert "slowest: line 1, " in shown(ran, "profile")
     assert re.search(r"line 1 ran 10,00\d times", shown(ran, "profile"))  # the advice: batch it
     assert "one batched call (torch.randn(" in shown(ran, "profile")

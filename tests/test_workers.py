@@ -173,7 +173,7 @@ def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_p
     ])
     assert launch["workers"] | {"peak_bytes": None} == {
         "count": 2, "exited": 2, "uncounted": False, "peak_bytes": None, "peak_bound": False,
-        "pss_bytes": None, "device_bytes": None, "note": None}
+        "pss_bytes": None, "device_bytes": None, "note": None, "exit_codes": []}
     assert launch["workers"]["peak_bytes"] - nothing["workers"]["peak_bytes"] >= 64 * MIB
     assert ", workers 2 (exited), largest peak " in launch["line"]
     assert ip.run_cell("torch.zeros(1).device.type").result == "meta"  # the kernel keeps it
@@ -336,6 +336,31 @@ def test_a_finished_unjoined_process_is_a_worker_of_the_cell_it_exited_in_only(i
     for cell in (later, again, joined):
         assert "workers" not in cell["line"]
         assert cell["workers"] is None
+
+
+def test_workers_that_died_while_the_cell_waited_say_their_exit_codes(ip):
+    """Children that died while the cell waited on them (a launch whose workers failed,
+    its parent blocked on a barrier): the line gives their exit codes; a clean exit
+    (code 0) keeps the line as it was."""
+    ip.run_cell(
+        ZOMBIE + "import os, signal\n"
+        "def child(code):  # exits at once with `code`; a negative one: killed by that signal\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.kill(os.getpid(), -code) if code < 0 else os._exit(code)\n"
+        "    return pid\n"
+        "def wait_dead(*pids):  # exited, not reaped: as a parent blocked elsewhere leaves them\n"
+        "    while any(state(p) != 'Z' for p in pids):\n"
+        "        time.sleep(0.01)\n"
+    )
+    ip.run_cell("died = child(1), child(-signal.SIGKILL); wait_dead(*died)")
+    ip.run_cell("[os.waitpid(p, 0) for p in died]; fine = child(0); wait_dead(fine)")
+    ip.run_cell("os.waitpid(fine, 0)")
+    died, fine, _ = records(ip, 3)
+    assert ", workers 2 (exited: codes 1, -9), largest peak " in died["line"]
+    assert died["workers"]["exit_codes"] == (1, -9)
+    assert ", workers 1 (exited), largest peak " in fine["line"]
+    assert fine["workers"]["exit_codes"] == (0,)
 
 
 def test_a_reused_pid_is_a_new_process(ip):

@@ -122,11 +122,11 @@ class FakeMachine:
         self.current = 0
         self.lazy: list[Any] = []
         self.calls: list[tuple[str, Any]] = []
+        self.fork_poisons: list[str] = []  # see the module docstring
         self.nvml_inits = 0
         self.nvml_init_error: type[Exception] | None = None if nvml else LibraryNotFound
         self.count_error: Exception | None = None
         self.sticky: str | None = None
-        self.fork_poisons: list[str] = []  # see the module docstring
         n = len(self.cuda)
         self.clock_ms = [0.0] * n
         self.stats = [{"allocated": 0, "peak": 0, "reserved": 0, "count": 0} for _ in range(n)]

@@ -523,8 +523,6 @@ class Capture:
         if not cuda and runtime_up("cuda"):
             notes.append("CUDA started in this cell, after recording began: its device "
                          "activity is not in this profile (run the cell again, or --warmup 1)")
-        elif not cuda and cuda_built() and (nvml_gpu_count() or 0) > 0:
-            notes.append(_DRIVER_STARTED)
         if opts.sort == "device" and not analysis.device_recorded:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
         notes.extend(_thread_notes(events, tracer, opts.threads))
@@ -636,8 +634,12 @@ _DRIVER_STARTED = (
 def _device_notes(
     analysis: Analysis, events: list[Event], heard: list[str], cuda: bool
 ) -> list[str]:
-    """One line where CUDA was up but its activity could not be recorded."""
-    if not cuda or analysis.device_recorded:
+    """One line where CUDA was up but its activity could not be recorded, or where it was
+    not, on a GPU, and the cell did not start it: torch's profiler started the driver."""
+    if not cuda:
+        driver = not runtime_up("cuda") and cuda_built() and (nvml_gpu_count() or 0) > 0
+        return [_DRIVER_STARTED] if driver else []
+    if analysis.device_recorded:
         return []
     said = "\n".join(heard)
     on_device = any(e.kind == "memory" and e.on_device for e in events)

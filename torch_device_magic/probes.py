@@ -353,6 +353,8 @@ class Accelerator:
         self._module = getattr(torch, kind)
         mps = kind == "mps"
         self._mps_peak = PeakSampler(self._module.current_allocated_memory) if mps else None
+        self._context = kind != "cuda"  # only CUDA devices can be without one
+        self._uncached: bool | None = None  # CUDA's caching allocator off (read once)
 
     @property
     def name(self) -> str:
@@ -367,18 +369,35 @@ class Accelerator:
                 guarded(self._module.driver_allocated_memory),
                 None,
             )
-        if self.kind == "cuda" and caching_off():
+        if self._uncached is None and self.kind == "cuda":  # torch read it when CUDA started
+            self._uncached = caching_off()
+        if self._uncached:
             return Counters(None, None, None, None)  # the allocator keeps no counts: n/a, not 0
         if not self.has_context():  # nothing allocated; and cudaMallocAsync would make one
             return Counters(0, 0, 0, 0)
-        stats = guarded(self._memory_stats) or {}
-        return Counters(
-            stats.get("allocated_bytes.all.current"),
-            stats.get("allocated_bytes.all.peak"),
-            stats.get("reserved_bytes.all.current"),
-            # cudaMallocAsync fills only the byte counters: this one stays 0 there
-            stats.get("allocation.all.allocated"),
-        )
+        return guarded(self._read_counters) or Counters(None, None, None, None)
+
+    def _read_counters(self) -> Counters:
+        """One reading of the allocator's statistics. CUDA's come nested, straight from the
+        C++ call: torch's `memory_stats` flattens them in Python, at 5x its cost (116 µs
+        against 22 on an H200)."""
+        if self.kind != "cuda":
+            generic: Any = getattr(torch, "accelerator", None)
+            if hasattr(generic, "memory_stats") and _current_kind(generic) == self.kind:
+                flat = generic.memory_stats(self.index)  # torch 2.9+
+            else:
+                flat = self._module.memory_stats(self.index)
+            return Counters(*(flat.get(key) for key in _COUNTERS))
+        read = getattr(torch._C, "_cuda_memoryStats", None)
+        if read is None:  # not in this build: torch's Python wrapper of the same call
+            read = torch.cuda.memory.memory_stats_as_nested_dict
+        stats = read(self.index)
+        if not stats:  # read before CUDA started
+            return Counters(None, None, None, None)
+        used, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+        # cudaMallocAsync fills only the byte counters of "all": this count stays 0 there
+        requests = stats["allocation"]["all"]["allocated"]
+        return Counters(used["current"], used["peak"], reserved["current"], requests)
 
     def allocator(self) -> str | None:
         """The CUDA allocator backend: 'native', 'cudaMallocAsync', or 'uncached'."""
@@ -390,17 +409,14 @@ class Accelerator:
 
     def has_context(self) -> bool:
         """Whether work can have run here already: for CUDA, whether this device has a
-        primary context (asked without creating one); other kinds have no such state."""
-        if self.kind != "cuda":
+        primary context (asked without creating one); other kinds have no such state.
+        A context, once there, stays for the process (torch never destroys it), so a
+        yes is not asked again."""
+        if self._context:
             return True
         has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-        return True if has is None else guarded(has, self.index) is True
-
-    def _memory_stats(self) -> dict:
-        generic: Any = getattr(torch, "accelerator", None)
-        if hasattr(generic, "memory_stats") and _current_kind(generic) == self.kind:
-            return generic.memory_stats(self.index)  # torch 2.9+
-        return self._module.memory_stats(self.index)
+        self._context = has is None or guarded(has, self.index) is True
+        return self._context
 
     def start_peak(self) -> None:
         """Start the peak window: reset the process-wide peak counter (or sample, on MPS)."""
@@ -409,11 +425,13 @@ class Accelerator:
             return
         if not self.has_context():  # no peak to reset; cudaMallocAsync's reset would make one
             return
+        reset = self._module.reset_peak_memory_stats
         generic: Any = getattr(torch, "accelerator", None)
-        if hasattr(generic, "reset_peak_memory_stats") and _current_kind(generic) == self.kind:
-            guarded(generic.reset_peak_memory_stats, self.index)
-        else:
-            guarded(self._module.reset_peak_memory_stats, self.index)
+        if self.kind == "cuda":  # the C++ call itself, without torch's parsing of the index
+            reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", reset)
+        elif hasattr(generic, "reset_peak_memory_stats") and _current_kind(generic) == self.kind:
+            reset = generic.reset_peak_memory_stats
+        guarded(reset, self.index)
 
     def sampled_peak_bytes(self) -> int | None:
         """End the MPS sampling window: the most allocated above its start, None elsewhere."""
@@ -521,6 +539,11 @@ def caching_off() -> bool:
 def _current_kind(generic: Any) -> str | None:
     current = generic.current_accelerator()
     return None if current is None else current.type
+
+
+# The Counters' fields, as the flat statistics name them.
+_COUNTERS = ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+             "reserved_bytes.all.current", "allocation.all.allocated")
 
 
 @cache

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import time
 import types
 import uuid as uuidlib
 from dataclasses import dataclass, field
@@ -87,6 +88,8 @@ class FakeEvent:
         device = m.current if stream is None else stream.device_index
         m.context(device, "Event.record")
         self.device, self.at_ms = device, m.clock_ms[device]
+        if m.host_timeline:  # done when the queued work is, and not before it is recorded
+            self.at_ms = max(time.perf_counter(), m.busy_until[device]) * 1000
         m.calls.append(("Event.record", device))
 
     def elapsed_time(self, end: FakeEvent) -> float:
@@ -109,6 +112,7 @@ class FakeMachine:
         arch_flags: str = "sm_75 sm_80 sm_86 sm_90 compute_90",
         backend: str = "native",
         nvml: bool = True,
+        host_timeline: bool = False,
     ) -> None:
         self.gpus = gpus  # NVML (PCI) order
         visible = [m for g in gpus for m in (g.migs or [g])]
@@ -126,6 +130,11 @@ class FakeMachine:
         self.sticky: str | None = None
         n = len(self.cuda)
         self.clock_ms = [0.0] * n
+        # With `host_timeline`, a device runs on the host's clock (time.perf_counter, the
+        # Meter's): kernels queue up until `busy_until`, an event is stamped when the
+        # device reaches it, and a synchronise waits for the queue to drain.
+        self.host_timeline = host_timeline
+        self.busy_until = [0.0] * n
         self.stats = [dict.fromkeys(_COUNTS, 0) for _ in range(n)]
 
     # --- what a test does to the machine ---------------------------------------------
@@ -160,13 +169,12 @@ class FakeMachine:
         """Kernels on `device`'s current stream that take `ms` milliseconds."""
         self.context(device, "kernel")
         self.clock_ms[device] += ms
+        self.busy_until[device] = max(time.perf_counter(), self.busy_until[device]) + ms / 1000
 
     def sample(self, device: int, percents: list[int], pid: int | None = None,
                at_us: int | None = None) -> None:
         """NVML's buffers get one sample per percent, now (or at `at_us`): the device's,
         and `pid`'s (the device's figure) where a pid is given."""
-        import time
-
         gpu = self.cuda[device]
         now = int(time.time() * 1e6) if at_us is None else at_us
         for i, value in enumerate(percents):
@@ -258,6 +266,8 @@ class FakeMachine:
         device = self.current if i is None else i
         self.calls.append(("synchronize", device))
         self.context(device, "synchronize")
+        if self.host_timeline:
+            time.sleep(max(0.0, self.busy_until[device] - time.perf_counter()))
         if self.sticky is not None:
             raise RuntimeError(f"CUDA error: {self.sticky}\nCUDA kernel errors might be ...")
 

@@ -23,6 +23,7 @@ import torch
 from .probes import (
     Accelerator,
     Counters,
+    PAGE_BYTES,
     HostProbe,
     active_accelerator,
     built_kinds,
@@ -353,6 +354,8 @@ class Meter:
         if cpu is not None and before is not None and before[0] == thread:
             busy_s = cpu - before[1]
         delta -= self._heap.correction(delta, busy_s)
+        if abs(delta) < PAGE_BYTES:  # RSS moves by pages: less than one was not measured
+            delta = 0
         return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:

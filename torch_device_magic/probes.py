@@ -50,7 +50,8 @@ _log = logging.getLogger(__name__)
 clock = time.perf_counter
 """The wall clock every measurement uses (monotonic, sub-microsecond)."""
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+"""What RSS moves by: the host probes' resolution."""
 
 
 def guarded(fn: Callable[..., Any], *args: Any) -> Any:
@@ -111,7 +112,7 @@ class ProcHighWater:
         return fd
 
     def _rss(self) -> int:
-        return int(os.pread(self._statm, 64, 0).split(None, 2)[1]) * _PAGE
+        return int(os.pread(self._statm, 64, 0).split(None, 2)[1]) * PAGE_BYTES
 
     def start(self) -> None:
         try:
@@ -216,7 +217,7 @@ def rss_bytes() -> int | None:
     """This process's resident set size, or None where no way to read it exists."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+            return int(f.read().split()[1]) * PAGE_BYTES
     except (OSError, ValueError, IndexError):
         pass
     return guarded(lambda: psutil.Process().memory_info().rss)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .probes import (
+    PAGE_BYTES,
     Accelerator,
     Counters,
-    PAGE_BYTES,
     HostProbe,
     active_accelerator,
     built_kinds,

@@ -252,7 +252,8 @@ class FakeMachine:
         """torch.cuda.memory's own: {} before CUDA starts, else the C++ call."""
         if not self.initialized:
             return {}
-        return self.memory_stats_nested(self.current if device is None else int(device))
+        index = device if isinstance(device, int) or device is None else torch.device(device).index
+        return self.memory_stats_nested(self.current if index is None else index)
 
     def reset_peak_memory_stats(self, i: int) -> None:
         """`torch._C._cuda_resetPeakMemoryStats`: every peak back to its current value."""

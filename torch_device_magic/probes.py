@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import psutil
 import torch
@@ -292,8 +292,7 @@ ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
 _MPS_BUILT = guarded(torch.backends.mps.is_built) is True
 
 
-@dataclass(frozen=True)
-class Counters:
+class Counters(NamedTuple):  # one a reading: half the cost of a frozen dataclass
     """One reading of an accelerator's caching allocator, in bytes."""
 
     allocated_bytes: int | None

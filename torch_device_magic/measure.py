@@ -269,7 +269,8 @@ class Meter:
         # events are recorded after the clock starts, and its end events before the
         # clock stops (after the synchronise that waits for them).
         self._t0 = clock()
-        self._starts = [(a, a.record_event()) for a in watched if a.has_context()]
+        # Without the synchronise no end event is done at the stop: none is recorded.
+        self._starts = [(a, a.record_event()) for a in watched if self.sync and a.has_context()]
 
     def stop(self) -> Measurement:
         """End measuring: synchronise what the cell used (if `sync`), read every counter.
@@ -277,8 +278,8 @@ class Meter:
         An error the synchronise raised (a sticky CUDA error from the cell's kernels)
         is kept in `device_error`, never dropped.
         """
-        # Without the synchronise the end events are not done, so there is no device time.
-        # With it, they are recorded first, before anything of ours queues behind the cell.
+        # The end events first, before anything of ours queues behind the cell; without
+        # the synchronise they would not be done, so there is no device time.
         ends = {a.name: (start, a.record_event()) for a, start in self._starts
                 if start is not None} if self.sync else _NONE
         main = active_accelerator(self._device, self._kinds)

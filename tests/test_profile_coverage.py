@@ -125,6 +125,7 @@ def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
     out = capsys.readouterr().out
     assert "the plain run" not in out
     assert f"In[{first}] was this code's first run" in out and "--warmup 1" in out
+    assert "a training cell trains once more" in out  # what --warmup 1 costs
     warm = run(ip, LOOP).execution_count  # the same code again: warm
     capsys.readouterr()
     report = run(ip, f"%%profile -o\n{LOOP}").result

@@ -223,7 +223,8 @@ class CellReporter:
             return None, None
         return None, (f"no plain run to compare with: In[{cold}] was this code's first run, "
                       "with one-time costs (run the cell again without %%profile, or "
-                      "--warmup 1)")
+                      "--warmup 1, which runs it once more first: a training cell trains "
+                      "once more)")
 
     def pre_run_cell(self, info: object) -> None:
         self._loading = None  # a cell of its own: we were loaded outside a cell

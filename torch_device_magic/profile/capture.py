@@ -489,7 +489,8 @@ class Capture:
                     self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
                 else:  # maybe the code's first run, whose one-time costs would mislead
                     self.plain_from = ("no plain run to compare with: the one warm-up may have "
-                                       "been this code's first run (--warmup 2 compares)")
+                                       "been this code's first run (--warmup 2 compares, "
+                                       "running the cell twice more: side effects too)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
         self._compiled = compiles()  # torch.compile's record so far: the cell's come after
         heard: list[str] = []
@@ -572,7 +573,8 @@ class Capture:
         notes = _device_notes(analysis, events, heard, cuda)
         if not cuda and runtime_up("cuda"):
             notes.append("CUDA started in this cell, after recording began: its device "
-                         "activity is not in this profile (run the cell again, or --warmup 1)")
+                         "activity is not in this profile (run the cell again, or --warmup 1, "
+                         "which runs it once more first: a training cell trains once more)")
         if opts.sort == "device" and not analysis.device_recorded:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
         notes.extend(_thread_notes(events, tracer, opts.threads))

@@ -328,3 +328,17 @@ def test_an_unnamed_trace_that_cannot_be_written_leaves_no_file(ip, temp_dir, mo
     report = profile_o(ip, "made = torch.ones(2)")
     assert report.trace_path is None and "kineto refused" in str(report)
     assert traces_in(temp_dir) == [] and "made" in ip.user_ns
+
+
+def test_the_device_busy_share_is_of_the_wall_the_events_cover():
+    """Rule 2 and the overview set the recorded device time against the recorded wall."""
+    from torch_device_magic.profile.advice import Setting, advise
+    from torch_device_magic.profile.events import Event
+
+    kernel = Event("gemm", "kernel", 0, 800_000_000)  # 0.8 s busy in 1 s recorded of 10 s
+    analysis = analyse([kernel])
+    analysis.recorded_s = 1.0
+    report = ProfileReport("In[1]", 1, 10.0, None, analysis, None)
+    assert "busy 800.0 ms (80% of the recorded wall)" in report.overview()
+    assert not any(a.rule.startswith("device waits")
+                   for a in advise([kernel], analysis, {}, Setting(wall_s=10.0)))

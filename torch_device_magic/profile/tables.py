@@ -83,9 +83,9 @@ class ProfileReport:
                          "every step")
         device = self.measurement.device if self.measurement is not None else None
         if a.device_recorded and a.device_busy_s is not None:
-            wall = a.recorded_s or self.wall_s
+            covered = a.recorded_s or self.wall_s  # the wall the events cover
             of = "the recorded wall" if a.recorded_s else "the wall"
-            share = a.device_busy_s / wall if wall else 0.0
+            share = a.device_busy_s / covered if covered else 0.0
             parts.append(f"{device or 'device'} busy {fmt_seconds(a.device_busy_s)} "
                          f"({share:.0%} of {of})")
             parts.append(f"{a.launches:,} kernel launch{'' if a.launches == 1 else 'es'}")

@@ -290,14 +290,15 @@ class LineTracer:
                 name = name_of(frame.f_code, frame.f_lineno)
                 self._charge()
                 innermost[-1] = name
-                first = not hits[name]
-                hits[name] += 1
+                ran = hits[name]
+                hits[name] = ran + 1
                 if opened:
                     opened.pop().__exit__(None, None, None)
                 if top:
                     self._count(frame.f_lineno)
-                if self._window is not None:
-                    self._switch(len(innermost), first)
+                if self._window is not None and (  # a switch is due, or may be
+                        not ran or self._first is not None or self._past == self._recording):
+                    self._switch(len(innermost), not ran)
                 if self._recording:
                     span = enter(name)
                     span.__enter__()

@@ -342,3 +342,12 @@ def test_the_device_busy_share_is_of_the_wall_the_events_cover():
     assert "busy 800.0 ms (80% of the recorded wall)" in report.overview()
     assert not any(a.rule.startswith("device waits")
                    for a in advise([kernel], analysis, {}, Setting(wall_s=10.0)))
+
+
+def test_a_cells_own_profiler_past_the_window_is_left_alone(ip, capsys):
+    ip.run_cell("%%profile\nfor i in range(20):\n    y = torch.ones(2) + i\n    if i == 15:\n"
+                "        with torch.profiler.profile() as own:\n            z = torch.zeros(3)")
+    assert "the cell's own torch.profiler ended this recording" in capsys.readouterr().out
+    assert any(e.key == "aten::zeros" for e in ip.user_ns["own"].key_averages())
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works

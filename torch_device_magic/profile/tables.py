@@ -174,8 +174,8 @@ class ProfileReport:
         every = self.events + per_step * left
         trace = (f", a trace of about {fmt_bytes(int(self.trace_bytes / self.events * every))}"
                  if self.events and self.trace_bytes else "")
-        cost = (f"--steps N records N steps (about {per_step:,.0f} events a step); every step "
-                f"would be about {every:,.0f} events{trace}")
+        cost = (f"--steps N records the first step and N more (about {per_step:,.0f} events a "
+                f"step); every step would be about {every:,.0f} events{trace}")
         if every > FULL_EVENTS:
             entries = sum(len(loop.steps) for loop in self.loops)
             fits = max(int(FULL_EVENTS / per_step / max(entries, 1)) - 1, self.full_steps)

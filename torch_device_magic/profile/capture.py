@@ -23,11 +23,14 @@ are in the trace too, named by their line. A traced line costs a few µs
 (`bench/bench_profile.py` measures it); frames of other code pay one call of
 the tracer each.
 
-A long loop. Where the cell has a loop at its top level, the tracer steps the
-profiler's schedule as each of its steps begins: the profiler records steps 2 to 6
-(`--steps`) and then nothing, while the tracer times every line of every step itself;
-so the capture (kineto's record, the events read, the trace) is bounded whatever the
-number of steps, and the lines' hits and wall still cover them all.
+A long loop. Where the cell has loops at its top level, the tracer counts each
+loop's steps, each time it is entered, and pauses the profiler (its session stopped
+and kept) as a loop's 7th step begins (`--steps`), resuming it (a new session) where
+the code outside the loop runs, and for a line's first run wherever it falls; it
+times every line of every step itself. So the capture (kineto's record, the events
+read, the trace) is bounded whatever the number of steps, the code outside the loops
+is recorded in full, and the lines' hits and wall still cover every step. The report
+reads every session on one clock; the pauses and resumes are charged to no line.
 
 Figures are read from kineto's own events (`kineto_results.events()`), not
 from torch's `key_averages()`, which builds a Python object per event; the raw

@@ -834,8 +834,10 @@ class _Recording:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
         what torch warned goes to `heard` ('CUDA is not available, disabling CUDA
         profiling'), not to the user."""
+        # blocks of their own, made in one call (a Python loop takes several times longer)
+        blocks = list(torch._foreach_neg([torch.zeros(1, device="cpu")] * _WARN_EVERY))
         try:
-            self._start()
+            self._start(blocks)
         except RuntimeError as err:  # kineto refused (another profiler, a broken build)
             if not torch.autograd._profiler_enabled():  # torch set its flag first
                 torch.autograd.profiler._is_profiler_enabled = False
@@ -852,15 +854,14 @@ class _Recording:
                 self.real[name] = real
                 setattr(module, name, self._watched(real))
 
-    def _start(self) -> None:
-        # blocks of their own, made in one call (a Python loop takes several times longer)
-        blocks = list(torch._foreach_neg([torch.zeros(1, device="cpu")] * _WARN_EVERY))
+    def _start(self, blocks: list[torch.Tensor]) -> None:
+        """A session of ours begins; where `blocks`, torch's warning is spent on them."""
         with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
             warnings.simplefilter("always")
             self.prof.start()
             self.running = True
-            if caught:
-                self.spare += _spend_unknown_block_warning(blocks)
+            if caught and blocks:
+                self.spare = _spend_unknown_block_warning(blocks)
         self.heard.extend(str(w.message) for w in warned)
 
     def pause(self) -> None:
@@ -877,12 +878,15 @@ class _Recording:
             self.own = False
 
     def resume(self) -> None:
-        """Begin a new session of ours (the tracer's: where code outside the steps runs)."""
+        """Begin a new session of ours (the tracer's: where code outside the steps runs).
+        torch's warning is not spent again (a thousand frees, milliseconds): the first
+        start left it 999 frees of blocks it cannot size away, and only the frees while
+        we record count."""
         if self.other or self.running:
             return
         self.own = True
         try:
-            self._start()
+            self._start([])
         finally:
             self.own = False
 

@@ -848,7 +848,7 @@ class TorchDeviceMagics(Magics):
                              cells.attributes_read(self.shell, cell)).names
         capture = profile.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
-            *self.reporter.plain_run(cell), source=cell,
+            *self.reporter.plain_run(cell, reads), source=cell,
             loops=profile.outer_loops(self.shell.transform_cell(cell)), traces=self.traces,
             namespace=self.shell.user_ns, reads=reads,
         )

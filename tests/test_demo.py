@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel import REPORT_LINE, ROOT, texts
 
-from torch_device_magic.magics import TorchDeviceMagics
+from torch_device_magic.magics import GROUPS
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +52,10 @@ def test_it_uses_every_magic(stored):
     source = "\n".join(c.source for c in code_cells(stored))
     as_cell = set(re.findall(r"^%%(\w+)", source, re.M))
     as_line = set(re.findall(r"^%(\w+)", source, re.M))
-    cell_magics = set(TorchDeviceMagics.magics["cell"])
+    cell_magics = {name for group in GROUPS for name in group.magics["cell"]}
     assert cell_magics - as_cell == set()
-    assert set(TorchDeviceMagics.magics["line"]) - cell_magics - as_line == set()
+    line_magics = {name for group in GROUPS for name in group.magics["line"]}
+    assert line_magics - cell_magics - as_line == set()
 
 
 def test_it_runs_through_and_only_the_hint_cell_fails_with_a_hint(ran):

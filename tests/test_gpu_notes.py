@@ -9,7 +9,7 @@ import pytest
 import torch
 from IPython.core.interactiveshell import InteractiveShell
 
-from torch_device_magic.hints import PREFIX
+from torch_device_magic.advice.hints import PREFIX
 
 pytestmark = [
     pytest.mark.cuda,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from fakegpu import FakeMachine, Gpu
 
-from torch_device_magic.profile import advice as profile_advice
-from torch_device_magic.profile.advice import Advice, Setting, advise
+from torch_device_magic.advice import profile_rules
+from torch_device_magic.advice.profile_rules import Advice, Setting, advise
 from torch_device_magic.profile.events import Event, analyse
 
 
@@ -47,12 +47,12 @@ def test_a_loop_of_tiny_ops_is_advised_one_batched_call(ip, capsys):
     assert ip.user_ns["sampled"].shape == (2000, 8)
     report = profile(ip, "", f"{DEMO_LINE}\nsampled = torch.stack(rows)")
     [tiny] = [a for a in report.advice if a.rule == "tiny ops"]
-    assert tiny.line == "1" and tiny.threshold == profile_advice.TINY_SHARE
+    assert tiny.line == "1" and tiny.threshold == profile_rules.TINY_SHARE
     assert tiny.figure > tiny.threshold and f"{tiny.figure:.0%} of the wall" in tiny.text
 
 
 def test_one_batched_call_gets_no_tiny_ops_advice(ip, capsys, monkeypatch):
-    monkeypatch.setattr(profile_advice, "cores", torch.get_num_threads)  # no threads advice
+    monkeypatch.setattr(profile_rules, "cores", torch.get_num_threads)  # no threads advice
     report = profile(ip, "", "sampled = torch.randn(2000, 8)\nrows = list(sampled)")
     assert "tiny ops" not in rules(report.advice)
     ip.run_cell("%%profile\nsampled = torch.randn(2000, 8) @ torch.randn(8, 8)")
@@ -74,8 +74,8 @@ for batch in loader:
 def test_a_loader_in_the_cells_process_is_advised_workers(ip):
     report = profile(ip, "--steps 0", LOADER.format(workers=""))
     [pipe] = [a for a in report.advice if a.rule == "input pipeline"]
-    assert pipe.line == "9" and pipe.figure > profile_advice.LOADER_SHARE
-    assert f"num_workers={max(profile_advice.cores() - 1, 1)}" in pipe.text
+    assert pipe.line == "9" and pipe.figure > profile_rules.LOADER_SHARE
+    assert f"num_workers={max(profile_rules.cores() - 1, 1)}" in pipe.text
     assert "pin_memory" not in pipe.text  # no CUDA device here
     assert isinstance(ip.user_ns["total"], float)
 
@@ -111,7 +111,7 @@ def test_a_fault_in_a_rule_leaves_the_profile_and_says_so(ip, monkeypatch):
     def broken(facts):
         raise ZeroDivisionError("a rule's own bug")
 
-    monkeypatch.setattr(profile_advice, "RULES", (broken,))
+    monkeypatch.setattr(profile_rules, "RULES", (broken,))
     report = profile(ip, "", "y = torch.ones(3) + 1")
     assert report.advice == [] and report.lines and ip.user_ns["y"].tolist() == [2.0] * 3
     assert any(n.startswith("the advice could not be made: ") for n in report.notes)
@@ -121,7 +121,7 @@ MATMULS = "for _ in range(4):\n    y = torch.randn(400, 400) @ torch.randn(400, 
 
 
 def test_cpu_work_on_few_threads_is_advised_the_cores(ip, threads, monkeypatch):
-    monkeypatch.setattr(profile_advice, "cores", lambda: 8)
+    monkeypatch.setattr(profile_rules, "cores", lambda: 8)
     ip.run_cell("torch.set_num_threads(1)")
     [cpu] = [a for a in profile(ip, "", MATMULS).advice if a.rule == "CPU threads"]
     assert (cpu.figure, cpu.threshold) == (1, 8)
@@ -131,14 +131,14 @@ def test_cpu_work_on_few_threads_is_advised_the_cores(ip, threads, monkeypatch):
 
 
 def test_cpu_work_on_more_threads_than_cores_is_advised(ip, threads, monkeypatch):
-    monkeypatch.setattr(profile_advice, "cores", lambda: 1)
+    monkeypatch.setattr(profile_rules, "cores", lambda: 1)
     ip.run_cell("torch.set_num_threads(2)")
     [cpu] = [a for a in profile(ip, "", MATMULS).advice if a.rule == "CPU threads"]
     assert "on 2 threads, above the 1 core" in cpu.text
 
 
 def test_threads_matching_the_cores_are_not_advised(ip, threads, monkeypatch):
-    monkeypatch.setattr(profile_advice, "cores", lambda: threads)
+    monkeypatch.setattr(profile_rules, "cores", lambda: threads)
     assert "CPU threads" not in rules(profile(ip, "", MATMULS).advice)
 
 
@@ -194,7 +194,7 @@ def test_a_host_bound_device_is_advised_bigger_batches():
     [wait] = [a for a in _loop(20_000).advise(wall_s=1e-3) if a.rule.startswith("device")]
     assert wait.rule == "device waits (host)" and wait.line == "4"  # the line the host ran
     assert "most while line 4 ran" in wait.text
-    assert wait.figure == pytest.approx(0.2) and wait.threshold == profile_advice.DEVICE_BUSY
+    assert wait.figure == pytest.approx(0.2) and wait.threshold == profile_rules.DEVICE_BUSY
     assert "busy 20% of the wall (under 50%)" in wait.text and "bigger batch" in wait.text
 
 
@@ -263,7 +263,7 @@ def test_a_peak_near_the_devices_memory_is_advised():
     c = _loop(90_000)
     [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=76 * GiB, total_memory=80 * GiB,
                                  reserved_bytes=78 * GiB) if a.rule == "memory"]
-    assert mem.figure == pytest.approx(0.95) and mem.threshold == profile_advice.NEAR_CAPACITY
+    assert mem.figure == pytest.approx(0.95) and mem.threshold == profile_rules.NEAR_CAPACITY
     assert "95% of the device's 80.0 GiB (over 90%)" in mem.text
     assert "checkpointing" in mem.text and "expandable_segments" not in mem.text
     [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=50 * GiB, total_memory=52 * GiB,
@@ -394,7 +394,7 @@ def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
         pytest.skip("not enough free device memory to reach 92%")
     cell = f"y = x @ x\nbig = torch.empty({size}, dtype=torch.uint8, device='cuda')\ndel big"
     got = gpu_rules(on_gpu, cell)
-    assert got["memory"].figure > profile_advice.NEAR_CAPACITY
+    assert got["memory"].figure > profile_rules.NEAR_CAPACITY
     [mem] = [a for a in profile(on_gpu, "--memory", cell).advice if a.rule == "memory"]
     assert mem.line == "2" and "the largest allocation: line 2" in mem.text
     torch.cuda.empty_cache()
@@ -468,7 +468,7 @@ def test_data_parallel_on_several_gpus_is_advised_ddp(parallel, monkeypatch, cel
     machine = FakeMachine([Gpu(), Gpu()]).install(monkeypatch)
     machine.start_cuda()
     [dp] = [a for a in profile(parallel, "", cell).advice if a.rule == "DataParallel"]
-    assert (dp.figure, dp.threshold) == (2, profile_advice.DATA_PARALLEL_GPUS)
+    assert (dp.figure, dp.threshold) == (2, profile_rules.DATA_PARALLEL_GPUS)
     assert dp.text.startswith(f"{name} is a torch.nn.DataParallel on 2 GPUs")
     assert "DistributedDataParallel" in dp.text and parallel.user_ns["y"].shape == (2, 4)
 

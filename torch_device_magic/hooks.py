@@ -27,7 +27,7 @@ end-of-cell synchronisation (a CUDA error from the cell's own kernels, which run
 asynchronously) is kept in the record and always shown, whatever the
 thresholds; Ctrl-C there is one line, not IPython's "Error in callback" traceback.
 
-After a cell that raised, the hint (`hints.py`, handed in by the magics while
+After a cell that raised, the hint (`advice/hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
 fault while making it prints nothing, and leaves a debug record on this module's
 logger (as does every fault caught here). With the report off and hints on, only
@@ -94,7 +94,7 @@ class CellReporter:
         self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
         self._watch_cuda = False  # ask after each cell: a CUDA build, and CUDA not up yet
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
-        # The notes under the line (advice.py's `Advisor.notes`), None: no notes.
+        # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
 
     @property

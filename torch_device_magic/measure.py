@@ -16,7 +16,7 @@ import html
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -36,9 +36,6 @@ from .probes import (
 )
 from .units import fmt_bytes, fmt_seconds
 from .workers import NONE, CellWorkers, ChildWatch, Workers, with_device_memory
-
-if TYPE_CHECKING:
-    from .advice import Note
 
 
 @dataclass(slots=True)
@@ -60,9 +57,11 @@ class Measurement:
     # The cell's child processes (workers.py); None: none seen (or not looked for).
     workers: CellWorkers | None = None
     # The share of the cell in which a kernel ran on its CUDA device, in percent (NVML's
-    # samples; advice.py reads it for cells of 0.5 s and more); None where not read.
+    # samples; the report's notes read it for cells of 0.5 s and more); None where not read.
     gpu_busy: float | None = None
-    notes: tuple[Note, ...] = ()  # what to act on (advice.py); () for an ordinary cell
+    # What to act on, each shown by str(): the report asks advice.notes, passing this
+    # record, and keeps its answer here; () for an ordinary cell.
+    notes: tuple[object, ...] = ()
 
     @staticmethod
     def field_names() -> list[str]:

@@ -77,11 +77,12 @@ from typing import Any
 
 import torch
 
+from ..advice import compiles
+from ..advice.profile_rules import Advice, advise, data_parallel, read_setting
 from ..errors import DeviceMagicError, first_sentence
 from ..measure import Measurement, Meter
 from ..probes import clock, runtime_up
 from ..units import plural
-from .advice import Advice, advise, compiles, data_parallel, read_setting
 from .events import LINE_PREFIX, Analysis, Event, LineRow, analyse, from_kineto
 from .tables import LoopSteps, ProfileReport
 from .traces import TraceFiles
@@ -473,7 +474,7 @@ class Capture:
     traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
     namespace: Mapping[str, Any] = field(default_factory=dict)  # the user's, for the advice
     reads: Collection[str] = ()  # the namespace's names the cell and the code it calls read
-    _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles()
+    _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles.records()
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -496,7 +497,7 @@ class Capture:
                                        "been this code's first run (--warmup 2 compares, "
                                        "running the cell twice more: side effects too)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
-        self._compiled = compiles()  # torch.compile's record so far: the cell's come after
+        self._compiled = compiles.records()  # torch.compile's record so far: the cell's come after
         heard: list[str] = []
         prof = _profiler(cuda, opts.threads)
         recording = _Recording(prof, heard)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..advice.profile_rules import Advice
 from ..measure import Measurement
 from ..reports import Table
 from ..units import fmt_bytes, fmt_seconds, plural
-from .advice import Advice
 from .events import Analysis, KernelRow, LineRow, OpRow
 from .traces import LARGE_BYTES
 

@@ -1,41 +1,39 @@
 """`%%profile`'s advice: what to change, from the events the capture already read.
 
-Each rule is a plain function of the capture's events (events.Event), their
+Each rule is a plain function of the capture's events (profile.events.Event), their
 analysis, the line names and a few settings read once at the report (`Setting`);
-it returns an `Advice` record or None. The thresholds and texts live here and
-nowhere else. Thresholds marked "tb" are the removed TensorBoard profiler plugin's
-(profiler/data.py of its last release), "HTA" Holistic Trace Analysis', "ours" ours.
+it returns an `Advice` record or None. The texts live here and nowhere else; the
+thresholds in thresholds.py, beside the per-cell notes' (two are shared, so that a
+note under a cell and this advice say the same thing).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..advice import BUSY_LOW, NEAR_CAPACITY_SHARE
 from ..units import fmt_bytes, fmt_seconds, plural
+from . import compiles
+from .thresholds import (
+    CPU_OPS_SHARE,
+    DATA_PARALLEL_GPUS,
+    DEVICE_BUSY,
+    FRAGMENTED,
+    LOADER_SHARE,
+    NEAR_CAPACITY,
+    PAGEABLE_BYTES,
+    SHORT_KERNELS,
+    TENSOR_CORES,
+    TINY_HIT_S,
+    TINY_HITS,
+    TINY_SHARE,
+)
 
 if TYPE_CHECKING:
-    from .events import Analysis, Event
-
-# thresholds (docs/profile.md lists them); the two the per-cell notes share come from
-# advice.py, so that a note under a cell and %%profile's advice say the same thing
-LOADER_SHARE = 0.05  # tb: the DataLoader's share of the wall
-DEVICE_BUSY = BUSY_LOW / 100  # tb (0.50): the device busy below this share of the wall
-NEAR_CAPACITY = NEAR_CAPACITY_SHARE  # tb (0.90): the peak over this share of the device's memory
-FRAGMENTED = 1.5  # ours: reserved over this many times the peak allocated
-TENSOR_CORES = (7, 0)  # tb: the compute capability with tensor cores
-PAGEABLE_BYTES = 1 << 20  # ours: pageable host-to-device copies worth pinning
-TINY_HITS = 1000  # ours: a line run this many times...
-TINY_HIT_S = 50e-6  # ...at under this much wall a time...
-TINY_SHARE = 0.10  # ...taking this share of the wall
-CPU_OPS_SHARE = 0.20  # ours: torch's CPU work worth more threads
-SHORT_KERNELS = 0.50  # HTA: the share of kernels shorter than their launch
-DATA_PARALLEL_GPUS = 2  # tb: DataParallel on this many GPUs or more
+    from ..profile.events import Analysis, Event
 
 _MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
                      "aten::linear", "aten::convolution", "aten::_convolution",
@@ -78,22 +76,15 @@ class Setting:
     data_parallel: str | None = None  # a name the cell reads that holds a DataParallel
 
 
-def compiles() -> list[Any]:
-    """torch.compile's record of its compilations so far, where the user's code imported
-    dynamo (importing it takes seconds: never here)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return list(utils.get_compilation_metrics()) if utils is not None else []
-
-
 def read_setting(
     wall_s: float, cuda: bool, peak_bytes: int | None, compiled_before: Sequence[Any] = (),
 ) -> Setting:
     """The settings now; the device's only where CUDA was in use (nothing starts it), and
-    the recompiles since `compiled_before` (compiles() before the cell)."""
+    the recompiles since `compiled_before` (compiles.records() before the cell)."""
     import torch
 
     before = {id(r) for r in compiled_before}
-    recompiles = [(_function(r), r.recompile_reason) for r in compiles()
+    recompiles = [(compiles.where_defined(r), r.recompile_reason) for r in compiles.records()
                   if id(r) not in before and getattr(r, "recompile_reason", None)]
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
@@ -125,14 +116,6 @@ def cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def _function(record: Any) -> str:
-    """'double (a cell's line 2)', 'forward (model.py:12)': a compilation record's frame."""
-    file = record.co_filename or ""
-    if file.startswith("<ipython-input") or "ipykernel" in file:
-        return f"{record.co_name} (a cell's line {record.co_firstlineno})"
-    return f"{record.co_name} ({os.path.basename(file)}:{record.co_firstlineno})"
 
 
 def advise(

@@ -332,7 +332,7 @@ def test_an_unnamed_trace_that_cannot_be_written_leaves_no_file(ip, temp_dir, mo
 
 def test_the_device_busy_share_is_of_the_wall_the_events_cover():
     """Rule 2 and the overview set the recorded device time against the recorded wall."""
-    from torch_device_magic.profile.advice import Setting, advise
+    from torch_device_magic.advice.profile_rules import Setting, advise
     from torch_device_magic.profile.events import Event
 
     kernel = Event("gemm", "kernel", 0, 800_000_000)  # 0.8 s busy in 1 s recorded of 10 s

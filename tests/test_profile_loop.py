@@ -351,3 +351,16 @@ def test_a_cells_own_profiler_past_the_window_is_left_alone(ip, capsys):
     assert any(e.key == "aten::zeros" for e in ip.user_ns["own"].key_averages())
     assert not torch.autograd.profiler._is_profiler_enabled
     assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works
+
+
+def test_the_trace_holds_every_recorded_session_and_a_gz_name_is_gzipped(ip, tmp_path):
+    import gzip
+    import json
+
+    path = tmp_path / "loop.json.gz"
+    profile_o(ip, "a = torch.zeros(2)\nfor i in range(20):\n    y = torch.ones(2)\n"
+                  "b = torch.empty(2)", f"--trace {path}")
+    with gzip.open(path, "rt") as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    assert {"aten::zeros", "aten::empty"} <= set(names)  # before the loop, and after it
+    assert names.count("aten::ones") == 6

@@ -59,10 +59,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gzip
 import json
 import linecache
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -676,24 +678,28 @@ class _Pieces:
         return [e for piece in self.pieces for e in from_kineto(piece.kineto_results, origin)]
 
     def export_chrome_trace(self, path: str) -> None:
-        """One trace file: the first session's, with the others' events added (kineto
-        stamps them all from one base time)."""
+        """One trace file (gzipped where `path` ends in .gz, as torch's): the sessions'
+        events together (kineto stamps them all from one base time)."""
         if not self.pieces:
             raise RuntimeError("nothing was recorded")
-        first, *rest = self.pieces
-        first.export_chrome_trace(path)
-        if not rest:
-            return
-        with open(path) as f:
-            trace = json.load(f)
-        for piece in rest:
-            with tempfile.NamedTemporaryFile(suffix=".json") as part:
-                piece.export_chrome_trace(part.name)  # kineto replaces the file
-                with open(part.name) as f:
-                    events = json.load(f)["traceEvents"]
-            trace["traceEvents"] += [e for e in events if e.get("ph") != "M"]  # not metadata
-        with open(path, "w") as f:
-            json.dump(trace, f, separators=(",", ":"))
+        with tempfile.TemporaryDirectory() as folder:
+            parts = [os.path.join(folder, f"{i}.json") for i in range(len(self.pieces))]
+            for piece, part in zip(self.pieces, parts):
+                piece.export_chrome_trace(part)  # kineto's JSON, whatever the name
+            opener: Any = gzip.open if path.endswith(".gz") else open
+            with opener(path, "wb") as out:
+                if len(parts) == 1:
+                    with open(parts[0], "rb") as f:
+                        shutil.copyfileobj(f, out)
+                    return
+                with open(parts[0]) as f:
+                    trace = json.load(f)
+                for part in parts[1:]:
+                    with open(part) as f:
+                        events = json.load(f)["traceEvents"]
+                    trace["traceEvents"] += [e for e in events if e.get("ph") != "M"]  # not
+                    # the metadata, the first session's
+                out.write(json.dumps(trace, separators=(",", ":")).encode())
 
     # memtimeline reads prof.profiler.kineto_results.experimental_event_tree()
     @property

@@ -364,3 +364,17 @@ def test_the_trace_holds_every_recorded_session_and_a_gz_name_is_gzipped(ip, tmp
         names = [e.get("name") for e in json.load(f)["traceEvents"]]
     assert {"aten::zeros", "aten::empty"} <= set(names)  # before the loop, and after it
     assert names.count("aten::ones") == 6
+
+
+def test_a_pause_on_cuda_waits_for_the_kernels_the_session_launched(ip, monkeypatch):
+    from fakegpu import FakeMachine, Gpu
+
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda()
+
+    def syncs(steps: int) -> int:
+        before = len(machine.calls)
+        profile_o(ip, LOOP.format(n=steps))
+        return sum(1 for call in machine.calls[before:] if call[0] == "synchronize")
+
+    assert syncs(20) == syncs(3) + 1  # the one pause, past step 6

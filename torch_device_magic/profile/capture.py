@@ -502,7 +502,7 @@ class Capture:
         self._compiled = compiles.records()  # torch.compile's record so far: the cell's come after
         heard: list[str] = []
         prof = _profiler(cuda, opts.threads)
-        recording = _Recording(prof, heard)
+        recording = _Recording(prof, heard, cuda)
         tracer = LineTracer(
             self.cell_file, self.label, self.functions, self.loops,
             opts.steps if self.loops else 0, recording, _first_line(self.source),
@@ -822,12 +822,12 @@ class _Recording:
 
     _ENTRIES = ("_prepare_profiler", "_enable_profiler")  # torch.autograd.profiler's
 
-    def __init__(
-        self, prof: Any, heard: list[str], stop_tracer: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, prof: Any, heard: list[str], cuda: bool = False) -> None:
         self.prof, self.heard = prof, heard
+        self.cuda = cuda  # the profiler records CUDA: a pause waits for its queued work
         self.other = False  # another profiler was prepared or started while we recorded
-        self.stop_tracer = stop_tracer  # its line ranges would land in the cell's profile
+        # stops our line tracer, whose ranges would land in the cell's profile
+        self.stop_tracer: Callable[[], None] | None = None
         self.paused = False  # the tracer stopped, as another profiler came
         self.thread = threading.get_ident()  # the cell's: where `stop_tracer` works
         self.real: dict[str, Any] = {}
@@ -877,6 +877,8 @@ class _Recording:
             return
         self.own = True
         try:
+            if self.cuda:  # so that the kernels the session launched end in its record
+                _sync()
             with quiet_stderr(self.heard):  # a Ctrl-C held comes after the state is set
                 self.prof.stop()
                 self.running = False

@@ -12,6 +12,12 @@ that would create a context on a device (an event recorded on its stream, a
 synchronise, set_device, memory_stats before CUDA started) is recorded in
 `contexts`, so that a test can say which GPUs were touched. Only what
 torch_device_magic calls is modelled; `calls` lists them in order.
+
+What leaves a forked child unable to use CUDA while CUDA is not up is recorded in
+`fork_poisons`: torch's build facts (`_cuda_getArchFlags` registers torch's fork
+handler, which marks every later child a bad fork) and torch.profiler's start
+(its `at::hasCUDA()` runs `cudaGetDeviceCount`, which initialises the driver
+whatever activities are asked). CUDA's own start is the user's work, not one.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ class FakeMachine:
         self.current = 0
         self.lazy: list[Any] = []
         self.calls: list[tuple[str, Any]] = []
+        self.fork_poisons: list[str] = []  # see the module docstring
         self.nvml_inits = 0
         self.nvml_init_error: type[Exception] | None = None if nvml else LibraryNotFound
         self.count_error: Exception | None = None
@@ -163,6 +170,16 @@ class FakeMachine:
             gpu.samples.append((now + i, value))
             if pid is not None:
                 gpu.process_samples.append((pid, now + i, value))
+
+    def poison_fork(self, why: str) -> None:
+        """`why` would leave a child forked from now on unable to use CUDA, where CUDA
+        is not up yet (once it is, every fork is poisoned by the user's own work)."""
+        if not self.initialized:
+            self.fork_poisons.append(why)
+
+    def arch_flags_read(self) -> str:
+        self.poison_fork("torch._C._cuda_getArchFlags (torch's fork handler)")
+        return self.arch_flags
 
     def context(self, device: int, why: str) -> None:
         if not self.initialized:
@@ -335,8 +352,14 @@ class FakeMachine:
         monkeypatch.setattr(cuda, "ipc_collect", lambda: self.calls.append(("ipc_collect", None)))
         monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", self.has_primary_context,
                             raising=False)
-        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: self.arch_flags,
-                            raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", self.arch_flags_read, raising=False)
+        prepare = torch.autograd.profiler._prepare_profiler
+
+        def prepare_profiler(*args: Any, **kwargs: Any) -> Any:
+            self.poison_fork("torch.profiler's start (cudaGetDeviceCount initialises the driver)")
+            return prepare(*args, **kwargs)
+
+        monkeypatch.setattr(torch.autograd.profiler, "_prepare_profiler", prepare_profiler)
         # torch.accelerator must not answer for a real device under the fake one
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None,
                             raising=False)

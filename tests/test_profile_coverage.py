@@ -47,11 +47,18 @@ def test_threads_records_the_ops_of_the_threads_the_cell_starts(ip):
     # are not traced, and their work happened while the cell started and joined them
     lines = {r.code: r for r in report.lines}
     waited = lines["t.join()"].cpu_s + lines["t.start()"].cpu_s
-    assert waited > 0 and sum(r.cpu_s for r in report.lines) == pytest.approx(
-        sum(r.self_cpu_s for r in report.ops), rel=1e-6)
+    # The tolerance is not the timer's: events are whole ns, and the sums agree to the ns
+    # where every op starts inside a line. An op a thread starts while the cell's thread
+    # is between two lines (in the tracer, as `t.start()` returns) goes to no line: under
+    # load, up to 66 µs in 20 runs of 60 (rel=1e-6 failed those). The lines miss those
+    # ops and no more.
+    kept = events.from_kineto(report.profiler.profiler.kineto_results)
+    between = sum(e.end_ns - e.start_ns for e in kept
+                  if e.kind == "op" and report.analysis.line_at(e.start_ns) is None) / 1e9
+    missed = sum(r.self_cpu_s for r in report.ops) - sum(r.cpu_s for r in report.lines)
+    assert waited > 0 and -1e-9 < missed < between + 1e-9
     assert ip.user_ns["done"] is True
-    if not any(e.kind == "memory" for e in events.from_kineto(
-            report.profiler.profiler.kineto_results)):
+    if not any(e.kind == "memory" for e in kept):
         assert any("--threads: this torch records no memory" in n for n in report.notes)
 
 

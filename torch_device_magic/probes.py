@@ -10,7 +10,9 @@ Design rules, which every function here keeps:
 - A reading that cannot be taken is `None`. Nothing here raises, and nothing
   reports a zero it did not read.
 - Nothing here starts an accelerator runtime. CUDA is read only once
-  `torch.cuda.is_initialized()` says a context exists. On a CPU-only build
+  `torch.cuda.is_initialized()` says a context exists (even torch's build facts:
+  `_cuda_getArchFlags` registers torch's fork handler, after which no forked
+  child can use CUDA). On a CPU-only build
   (`torch.version.cuda is None`), torch.cuda is not called at all. NVML needs no
   CUDA context; it is initialised behind one gate (`nvml_status`), once per
   session.
@@ -637,6 +639,12 @@ def nvml() -> Any:
     return nvml_status()[0]
 
 
+def nvml_gpu_count() -> int | None:
+    """How many GPUs NVML lists, None without NVML (NVML initialises no CUDA driver)."""
+    module = nvml()
+    return None if module is None else guarded(module.nvmlDeviceGetCount)
+
+
 def nvml_handle(module: Any, uuid: str) -> Any:
     """NVML's handle for a device torch names by `uuid` (bare, as torch prints it, or
     with NVML's `GPU-`/`MIG-` prefix: a MIG instance's UUID starts with `MIG-`)."""
@@ -868,7 +876,13 @@ def cuda_count() -> tuple[int, str | None]:
 
 
 def cuda_arch_list() -> list[str]:
-    """The CUDA architectures this torch was built for, read from the build (no context)."""
+    """The CUDA architectures this torch was built for, once CUDA runs; none before.
+
+    Asking earlier starts no context, but `_cuda_getArchFlags` registers torch's fork
+    handler, which marks every process forked afterwards as one that cannot use CUDA
+    (notebook_launcher's, ddp_notebook's): so the build is read only once CUDA is up."""
+    if not runtime_up("cuda"):
+        return []
     flags = getattr(torch._C, "_cuda_getArchFlags", None)
     arches = guarded(flags) if flags is not None else guarded(torch.cuda.get_arch_list)
     return arches.split() if isinstance(arches, str) else list(arches or [])

@@ -38,9 +38,12 @@ profiler stays available for that (`-o`). Nothing here keeps a user's tensor:
 the events hold shapes and names only.
 
 The profiler records CUDA only where CUDA was already up when recording began
-(a warm-up that starts it counts), so a cell that never touched CUDA never
-starts it; where CUDA ran but no device event came (CUPTI missing or refused),
-the overview says so and the device columns are left out, never zeros.
+(a warm-up that starts it counts), so a cell that never touched CUDA starts no
+context. torch's profiler initialises the CUDA driver as it starts, whatever it
+records, and no forked child can use CUDA after that: on a GPU where CUDA was
+not up, the profile says so. Where CUDA ran but no device event came (CUPTI
+missing or refused), the overview says so and the device columns are left out,
+never zeros.
 kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr:
 descriptor 2 is caught only while we call torch to start and to stop, those
 lines dropped and whatever else was written there passed on. The cell runs with
@@ -83,7 +86,7 @@ from ..advice import compiles
 from ..advice.profile_rules import Advice, advise, data_parallel, read_setting
 from ..errors import DeviceMagicError, first_sentence
 from ..measure import Measurement, Meter
-from ..probes import clock, runtime_up
+from ..probes import clock, cuda_built, nvml_gpu_count, runtime_up
 from ..units import plural
 from .events import LINE_PREFIX, Analysis, Event, LineRow, analyse, from_kineto
 from .tables import LoopSteps, ProfileReport
@@ -736,11 +739,24 @@ def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool)
             f"profile ({how})"]
 
 
+# torch.profiler's start asks `at::hasCUDA()`, whatever it records: cudaGetDeviceCount,
+# which initialises the CUDA driver (cuInit), and a forked child cannot use CUDA after that.
+_DRIVER_STARTED = (
+    "no kernel recorded: CUDA was not up when recording began; torch's profiler initialised "
+    "the CUDA driver as it started, so a process forked from this kernel can no longer use "
+    "CUDA (notebook_launcher, ddp_notebook: launch before %%profile, or use spawn)"
+)
+
+
 def _device_notes(
     analysis: Analysis, events: list[Event], heard: list[str], cuda: bool
 ) -> list[str]:
-    """One line where CUDA was up but its activity could not be recorded."""
-    if not cuda or analysis.device_recorded:
+    """One line where CUDA was up but its activity could not be recorded, or where it was
+    not, on a GPU, and the cell did not start it: torch's profiler started the driver."""
+    if not cuda:
+        driver = not runtime_up("cuda") and cuda_built() and (nvml_gpu_count() or 0) > 0
+        return [_DRIVER_STARTED] if driver else []
+    if analysis.device_recorded:
         return []
     said = "\n".join(heard)
     on_device = any(e.kind == "memory" and e.on_device for e in events)

@@ -132,6 +132,7 @@ def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
     out = capsys.readouterr().out
     assert "the plain run" not in out
     assert f"In[{first}] was this code's first run" in out and "--warmup 1" in out
+    assert "a training cell trains once more" in out  # what --warmup 1 costs
     warm = run(ip, LOOP).execution_count  # the same code again: warm
     capsys.readouterr()
     report = run(ip, f"%%profile -o\n{LOOP}").result
@@ -222,3 +223,20 @@ def test_sort_device_without_device_activity_titles_the_table_as_sorted(ip, caps
     assert "no device activity was recorded, so by self CPU time" in out
     assert "top ops by self CPU time" in out and "top ops by device time" not in out
     assert torch.is_grad_enabled()
+
+
+def test_a_plain_run_before_its_inputs_were_bound_again_is_not_compared(ip):
+    run(ip, "x = torch.randn(64, 64)")
+    run(ip, "y = x @ x")
+    plain = run(ip, "y = x @ x").execution_count
+    report = run(ip, "%%profile -o\ny = x @ x").result
+    assert report.plain_from == f"In[{plain}]"  # nothing bound x since
+    rebound = run(ip, "x = torch.randn(300, 300)").execution_count
+    report = run(ip, "%%profile -o\ny = x @ x").result
+    assert report.plain_wall_s is None and report.plain_from is None
+    assert any(f"In[{rebound}] bound x again after In[{plain}] ran this code" in n
+               for n in report.notes)
+    run(ip, "y = x @ x")
+    assert run(ip, "%%profile -o\ny = x @ x").result.plain_wall_s is not None  # warm again
+    run(ip, "%device cpu --move")  # moves every tensor: their devices may differ
+    assert run(ip, "%%profile -o\ny = x @ x").result.plain_wall_s is None

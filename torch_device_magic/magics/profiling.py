@@ -35,9 +35,9 @@ class TorchDeviceProfileMagics(MagicsGroup):
               help="write the Chrome/Perfetto trace there (default: a temporary file, shown, "
               "kept until the next %%%%profile or the session's end)")
     @argument("--steps", type=int, default=5,
-              help="where the cell has a loop, record STEPS of its steps in full from the "
-              "second (ops, memory, trace; default 5) and time the lines of every step; 0 "
-              "records all")
+              help="where the cell has loops, record each loop's first step and STEPS more in "
+              "full (ops, memory, trace; default 5), with the code outside the loops and each "
+              "line's first run, and time the lines of every step; 0 records all")
     @argument("--memory", action="store_true",
               help="also draw the cell's memory over time, offline, its largest allocations "
               "labelled by line: from the CUDA allocator's history where the cell used CUDA "
@@ -77,9 +77,9 @@ class TorchDeviceProfileMagics(MagicsGroup):
         effects (appends, training steps). The trace goes to `--trace PATH` or a
         temporary file (only the last one is kept, deleted at unload and exit),
         stamped rank 0 so Holistic Trace Analysis reads it. A loop at the cell's
-        top level is recorded in full over its steps 2 to 6 (`--steps`), and its
-        lines timed over every step, so that a long loop costs about what it
-        costs without the profiler.
+        top level is recorded in full over its steps 1 to 6 (`--steps`), each
+        loop and each run alike, and its lines timed over every step, so that a
+        long loop costs about what it costs without the profiler.
         `--memory` adds the memory over the cell's time, drawn inline without
         network, its largest allocations labelled by line: from the CUDA
         allocator's history where the cell used CUDA, else from the
@@ -121,7 +121,7 @@ class TorchDeviceProfileMagics(MagicsGroup):
                              cells.attributes_read(self.shell, cell)).names
         capture = profile.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
-            *self.core.reporter.plain_run(cell), source=cell,
+            *self.core.reporter.plain_run(cell, reads), source=cell,
             loops=profile.outer_loops(self.shell.transform_cell(cell)), traces=self.core.traces,
             namespace=self.shell.user_ns, reads=reads,
         )

@@ -183,6 +183,10 @@ class _Facts:
         named = {k: v for k, v in weights.items() if self.where(k) is not None}
         return self.where(max(named, key=named.__getitem__)) if named else None
 
+    def events_wall(self) -> float:
+        """The wall the events cover: the recorded time where the profiler paused."""
+        return self.analysis.recorded_s or self.setting.wall_s
+
     def of_kind(self, *kinds: str) -> list[Event]:
         return [e for kind in kinds for e in self.by_kind.get(kind, ())]
 
@@ -341,7 +345,7 @@ def input_pipeline(f: _Facts) -> Advice | None:
     """Rule 1 (tb): the single-process DataLoader's share of the wall."""
     nexts = [e for e in f.of_kind("op")
              if "DataLoaderIter.__next__" in e.name and "_SingleProcess" in e.name]
-    wall = f.setting.wall_s
+    wall = f.events_wall()
     if not nexts or not wall:
         return None
     share = sum(e.end_ns - e.start_ns for e in nexts) / 1e9 / wall
@@ -361,9 +365,9 @@ def input_pipeline(f: _Facts) -> Advice | None:
 
 def cpu_threads(f: _Facts) -> Advice | None:
     """Rule 7 (ours): torch's CPU work with threads far below the cores, or above them."""
-    s = f.setting
+    s, wall = f.setting, f.events_wall()
     ops = sum(e.self_ns for e in f.of_kind("op") if e.name.startswith("aten::")) / 1e9
-    if not s.wall_s or ops / s.wall_s < CPU_OPS_SHARE:
+    if not wall or ops / wall < CPU_OPS_SHARE:
         return None
     if s.threads > s.cores:
         why = "above"
@@ -372,14 +376,14 @@ def cpu_threads(f: _Facts) -> Advice | None:
     else:
         return None
     return Advice("CPU threads", s.threads, s.cores, None, (
-        f"torch's CPU ops took {ops / s.wall_s:.0%} of the wall on {plural(s.threads, 'thread')}"
+        f"torch's CPU ops took {ops / wall:.0%} of the wall on {plural(s.threads, 'thread')}"
         f", {why} the {plural(s.cores, 'core')} this process may use: "
         f"torch.set_num_threads({s.cores})"))
 
 
 def device_waits(f: _Facts) -> Advice | None:
     """Rule 2 (tb, HTA): the device busy below half the wall, and which kind of wait."""
-    a, wall = f.analysis, f.setting.wall_s
+    a, wall = f.analysis, f.events_wall()
     if not a.device_recorded or a.device_busy_s is None or not wall:
         return None
     busy = a.device_busy_s / wall

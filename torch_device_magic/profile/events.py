@@ -64,10 +64,12 @@ class Event:
     parent: Event | None = None  # the innermost op or range around it, on its thread
 
 
-def from_kineto(result: Any) -> list[Event]:
-    """The events of a finished capture (`prof.profiler.kineto_results`); read once, in
-    one pass (tens of thousands of events: every call per event counts)."""
-    start = result.trace_start_ns()
+def from_kineto(result: Any, origin: int | None = None) -> list[Event]:
+    """The events of a finished capture (`prof.profiler.kineto_results`), their times
+    from `origin` (the trace's start by default; another session's, to put several on one
+    clock); read once, in one pass (tens of thousands of events: every call per event
+    counts)."""
+    start = result.trace_start_ns() if origin is None else origin
     events = result.events()
     cpu = torch.autograd.DeviceType.CPU
     older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
@@ -199,6 +201,8 @@ class Analysis:
     stalls: list[str]  # '.item() 100 times on line 5 (2 runs)'
     line_at: Callable[[int], str | None] | None = field(default=None, repr=False)  # a time's
     # innermost line range (the advice's)
+    recorded_s: float | None = None  # the wall the events cover, where the profiler paused
+    # (a loop's steps past its window); None: the whole wall
 
 
 def analyse(

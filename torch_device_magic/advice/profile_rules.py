@@ -166,7 +166,7 @@ class _Facts:
 
     def cold(self) -> bool:
         """Most of the run was first-call loading: its launch and host figures mislead."""
-        wall = self.setting.wall_s
+        wall = self.events_wall()  # the loading is the events': like with like
         return bool(wall) and sum(self.loading.values()) / 1e9 >= COLD_RUN * wall
 
     def warm_up_lines(self) -> set[str | None]:
@@ -210,7 +210,7 @@ def _loading(f: _Facts) -> dict[str | None, int]:
 
 def warm_up(f: _Facts) -> Advice | None:
     """Ours: a run whose time went to first-call loading, which a second run does not pay."""
-    wall, total = f.setting.wall_s, sum(f.loading.values()) / 1e9
+    wall, total = f.events_wall(), sum(f.loading.values()) / 1e9
     if not wall or total < WARM_UP_WALL * wall:
         return None
     line = f.top_line(f.loading)

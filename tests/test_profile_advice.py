@@ -500,7 +500,8 @@ def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
 def test_on_a_gpu_pageable_copies_are_advised_pinning(on_gpu):
     on_gpu.run_cell("h = torch.randn(2**20)\np = torch.randn(2**20).pin_memory()")
     got = gpu_rules(on_gpu, "a = h.to('cuda')\nb = h.to('cuda')")
-    assert got["pageable copies"].line == "1" and "4.0 MiB" in got["pageable copies"].text
+    # 2 copies of 4 MiB: kineto 2.11 gives them 0 bytes, their copy_ ops the sizes
+    assert got["pageable copies"].line == "1" and "8.0 MiB" in got["pageable copies"].text
     assert "pageable copies" not in gpu_rules(on_gpu, "a = p.to('cuda', non_blocking=True)\n"
                                                       "b = p.to('cuda', non_blocking=True)")
 

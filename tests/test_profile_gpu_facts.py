@@ -257,7 +257,8 @@ def test_a_first_run_spent_loading_is_warm_up_not_launch_bound():
     assert not [a for a in advice if a.rule.startswith("device waits")]
     [warm] = [a for a in advice if a.rule == "warm-up"]
     assert warm.line == "1" and warm.figure > 0.9 and warm.threshold == profile_rules.WARM_UP_WALL
-    assert "first-call loading" in warm.text and "cold first run" in warm.text
+    assert "first-call loading (CUDA loading kernels)" in warm.text
+    assert "cold first run" in warm.text
     assert "run the cell again" in warm.text
 
 
@@ -289,6 +290,15 @@ def test_a_cold_line_does_not_hide_a_warm_loops_launches():
     assert wait.rule == "device waits (launch)" and wait.line == "3"
     assert "300 of 300 kernels on line 3" in wait.text  # line 1's kernel left out
     assert "warm-up" in rules(advice) and "a cost of the first run only" in advice[0].text
+
+
+def test_a_first_compile_is_warm_up(ip):
+    ip.run_cell("@torch.compile(backend='eager')\ndef double(t):\n    return t * 2")
+    report = profile(ip, "", "y = double(torch.randn(3))")
+    [warm] = [a for a in report.advice if a.rule == "warm-up"]
+    assert warm.line == "1" and "first-call loading (torch.compile compiling)" in warm.text
+    again = profile(ip, "", "y = double(torch.randn(3))")  # compiled: a warm run
+    assert "warm-up" not in rules(again.advice) and ip.user_ns["y"].shape == (3,)
 
 
 def test_a_warm_run_gets_no_warm_up_advice():

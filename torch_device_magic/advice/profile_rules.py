@@ -151,7 +151,7 @@ def advise(
     for e in events:  # one pass: a capture may hold 100,000 events
         by_kind[e.kind].append(e)
     facts = _Facts(by_kind, analysis, line_names, setting)
-    facts.loading = _loading(facts)
+    facts.loading, facts.loaded = _loading(facts)
     return [a for rule in RULES if (a := rule(facts)) is not None]
 
 
@@ -163,6 +163,7 @@ class _Facts:
     setting: Setting
     loading: dict[str | None, int] = field(default_factory=dict)  # a line range's
     # first-call loading (ns)
+    loaded: list[str] = field(default_factory=list)  # what loaded: its kinds, in words
 
     def cold(self) -> bool:
         """Most of the run was first-call loading: its launch and host figures mislead."""
@@ -191,13 +192,17 @@ class _Facts:
         return [e for kind in kinds for e in self.by_kind.get(kind, ())]
 
 
-def _loading(f: _Facts) -> dict[str | None, int]:
+def _loading(f: _Facts) -> tuple[dict[str | None, int], list[str]]:
     """Each line range's first-call loading: CUDA's lazy loading of a kernel's module (a
     first cuBLAS or cuDNN call's, an autotuner's candidates' too), the driver's module
-    loads, compiling; the outermost of nested ones, by the line that ran at its start."""
+    loads, compiling; the outermost of nested ones, by the line that ran at its start.
+    And what loaded, in words."""
     found = [e for e in f.of_kind("overhead") if e.name in _LOADING]
     found += [e for e in f.of_kind("runtime") if e.name.startswith(_LOADING_CALLS)]
-    found += [e for e in f.of_kind("op") if e.name.endswith(_COMPILING)]
+    kinds = ["CUDA loading kernels"] if found else []  # a first cuBLAS/cuDNN call's too
+    compiling = [e for e in f.of_kind("op") if e.name.endswith(_COMPILING)]
+    kinds += ["torch.compile compiling"] if compiling else []
+    found += compiling
     line_at = f.analysis.line_at or (lambda t: None)
     out: dict[str | None, int] = defaultdict(int)
     end = -1
@@ -205,7 +210,7 @@ def _loading(f: _Facts) -> dict[str | None, int]:
         if e.start_ns >= end:  # not inside the last one counted
             out[line_at(e.start_ns)] += e.end_ns - e.start_ns
             end = e.end_ns
-    return dict(out)
+    return dict(out), kinds
 
 
 def warm_up(f: _Facts) -> Advice | None:
@@ -215,8 +220,8 @@ def warm_up(f: _Facts) -> Advice | None:
         return None
     line = f.top_line(f.loading)
     said = (f"{fmt_seconds(total)} ({total / wall:.0%} of the wall, over "
-            f"{WARM_UP_WALL:.0%}){_on(line)} went to first-call loading (CUDA's lazy loading of "
-            "kernels, cuBLAS/cuDNN's first calls, compiling)")
+            f"{WARM_UP_WALL:.0%}){_on(line)} went to first-call loading "
+            f"({' and '.join(f.loaded)})")
     rest = ("this was a cold first run, whose launch and host figures do not hold"
             if f.cold() else "a cost of the first run only")
     return Advice("warm-up", total / wall, WARM_UP_WALL, line, (

@@ -113,14 +113,15 @@ def tf32_settings():
     torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def test_the_setting_reads_torchs_tf32_switches(tf32_settings):
+def test_the_setting_reads_torchs_tf32_switches(tf32_settings, monkeypatch):
+    FakeMachine([Gpu("NVIDIA H200", capability=(9, 0))]).install(monkeypatch).start_cuda()
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = True
-    s = read_setting(1.0, False, None)
-    assert (s.tf32_matmul, s.tf32_conv) == (False, True)
+    s = read_setting(1.0, True, None)
+    assert (s.capability, s.tf32_matmul, s.tf32_conv) == ((9, 0), False, True)
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = False
-    s = read_setting(1.0, False, None)
+    s = read_setting(1.0, True, None)
     assert (s.tf32_matmul, s.tf32_conv) == (True, False)
 
 

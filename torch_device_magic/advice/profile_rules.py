@@ -84,13 +84,13 @@ class Setting:
     threads: int = 1  # torch.get_num_threads()
     cuda: bool = False  # CUDA was in use
     capability: tuple[int, int] | None = None
+    tf32_matmul: bool = False  # torch.backends.cuda.matmul.allow_tf32 (precision 'high')
+    tf32_conv: bool = True  # torch.backends.cudnn.allow_tf32 (torch's default: on)
     total_memory: int | None = None  # the device's
     peak_bytes: int | None = None  # allocated on the device at the cell's peak
     # (Measurement.device_top_bytes: what it held before, and the peak over that)
     reserved_bytes: int | None = None  # reserved by the caching allocator at the end
     cudnn_benchmark: bool = False
-    tf32_matmul: bool = False  # torch.backends.cuda.matmul.allow_tf32 (precision 'high')
-    tf32_conv: bool = True  # torch.backends.cudnn.allow_tf32 (torch's default: on)
     recompiles: list[tuple[str, str]] = field(default_factory=list)  # (function, reason)
     largest: tuple[str, int, str] | None = None  # --memory: the largest allocation's line,
     # its bytes and its code
@@ -110,8 +110,6 @@ def read_setting(
                   if id(r) not in before and getattr(r, "recompile_reason", None)]
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
-                      tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
-                      tf32_conv=bool(torch.backends.cudnn.allow_tf32),
                       recompiles=recompiles)
     if torch.cuda.is_initialized():  # never the call that starts CUDA
         setting.gpus = torch.cuda.device_count()
@@ -120,6 +118,8 @@ def read_setting(
         setting.capability = (props.major, props.minor)
         setting.total_memory = props.total_memory
         setting.reserved_bytes = torch.cuda.memory_reserved()
+        setting.tf32_matmul = bool(torch.backends.cuda.matmul.allow_tf32)
+        setting.tf32_conv = bool(torch.backends.cudnn.allow_tf32)
     return setting
 
 

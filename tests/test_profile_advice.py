@@ -106,6 +106,13 @@ def test_a_line_of_unknown_kind_is_said_slow_without_an_example():
     assert tiny.text.endswith("do the work in fewer, larger calls")
 
 
+def test_a_call_at_the_bound_is_work_not_overhead_and_below_it_is_advised():
+    at = int(profile_rules.TINY_HIT_S * 1e9)
+    assert _tiny(_inner("out.append(torch.tanh(p))", "aten::tanh", ns=at), 100) == []
+    # a busy machine's wall for a tiny op (48-65 µs a call measured on 2 loaded cores)
+    assert _tiny(_inner("out.append(torch.tanh(p))", "aten::tanh", ns=65_000), 100)
+
+
 def test_a_comprehension_counts_the_statements_runs_not_its_iterations():
     line = "ud.append([((lr * p.grad).std() / p.data.std()).log10().item() for p in parameters])"
     body = [(2, line, "aten::std", 1_000)] * 21 + [(3, "i += 1", None, 100)]

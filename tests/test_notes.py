@@ -69,33 +69,39 @@ def test_ordinary_cells_get_no_note(ip, capsys, small):
 
 
 def test_a_large_displayed_tensor_says_out_keeps_it(ip, capsys, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")  # 16 MiB
-    n = ip.execution_count
     capsys.readouterr()
-    run(ip, "x")
+    n = run(ip, "torch.zeros(4 * 2**20)").execution_count  # 16 MiB that no name holds
     out = capsys.readouterr().out
-    expected = f"Out[{n}] keeps 16.0 MiB on cpu: end the line with ';' or del Out[{n}]"
+    expected = f"Out[{n}] keeps 16.0 MiB on cpu: end the line with ';', or %gpufree lets go of it"
     assert lines_after_report(out) == [expected]
     note = last(ip).notes[0]
     assert (note.rule, note.figure, note.where) == ("displayed", 16 * MiB, f"Out[{n}]")
-    assert ip.user_ns["Out"][n] is ip.user_ns["x"]  # the note changed nothing
+    assert ip.user_ns["Out"][n] is ip.user_ns["_"]  # the note changed nothing
+
+
+def test_a_displayed_result_that_a_name_holds_gets_no_note(ip, capsys, small):
+    """Issue 29, point 3: `del Out[n]` would free nothing while `x` holds the tensor."""
+    run(ip, "x = torch.zeros(4 * 2**20)")
+    for cell in ("x", "x[:3]", "(x, x[1:])"):
+        capsys.readouterr()
+        run(ip, cell)
+        assert last(ip).notes == (), cell
+        assert lines_after_report(capsys.readouterr().out) == [], cell
 
 
 def test_a_displayed_tuple_counts_each_storage_once(ip, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")
-    run(ip, "x, x[:10], torch.zeros(2 * 2**20)")  # the view shares x's storage
-    assert [n.figure for n in last(ip).notes] == [24 * MiB]
+    run(ip, "(lambda t: (t, t[:10], torch.zeros(2 * 2**20)))(torch.zeros(4 * 2**20))")
+    assert [n.figure for n in last(ip).notes] == [24 * MiB]  # t[:10] is t's storage
 
 
 def test_the_displayed_result_is_quiet_with_a_semicolon_and_when_advice_is_off(ip, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")
-    run(ip, "x;")
+    run(ip, "torch.zeros(4 * 2**20);")
     assert last(ip).notes == ()
     run(ip, "%config TorchDeviceMagics.advice = False")
-    run(ip, "x")
+    run(ip, "torch.zeros(4 * 2**20)")
     assert last(ip).notes == ()
     run(ip, "%config TorchDeviceMagics.advice = True")
-    run(ip, "x")
+    run(ip, "torch.zeros(4 * 2**20)")
     assert rules(ip) == ["displayed"]
 
 
@@ -109,8 +115,7 @@ def test_a_result_that_raises_when_looked_at_leaves_the_line_and_no_note(ip, cap
 
 
 def test_notes_go_to_the_csv_and_the_html_bundle(ip, tmp_path, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")
-    run(ip, "x")
+    run(ip, "torch.zeros(4 * 2**20)")
     record = last(ip)
     html = record.bundle()["text/html"]
     assert html.count('class="tdm-report"') == 1 and "keeps 16.0 MiB on cpu" in html

@@ -33,7 +33,7 @@ from ..probes import free_and_total, guarded, nvml_busy_percent
 from ..units import fmt_bytes, fmt_per_device, fmt_seconds
 from . import compiles
 from .compiles import UTILS
-from .holders import traceback_bytes
+from .holders import result_bytes, traceback_bytes
 from .thresholds import (
     BUSY_LOW,
     BUSY_MIN_S,
@@ -79,15 +79,21 @@ def near_capacity(device: str, peak_bytes: int, total_bytes: int) -> Note | None
 
 
 def displayed(name: str, nbytes: int, device: str, total_bytes: int | None) -> Note | None:
-    """The displayed result (`Out[n]`, `_`) keeps `nbytes` of tensors alive on `device`."""
-    limit = DISPLAYED_MIN_BYTES
-    if total_bytes:
-        limit = min(limit, int(DISPLAYED_SHARE * total_bytes))
+    """The displayed result (`Out[n]`, `_`) alone keeps `nbytes` of tensors alive on
+    `device`. Not `del Out[n]`: `_n`, `_` and the last result keep it too."""
+    limit = _displayed_limit(total_bytes)
     if nbytes < limit:
         return None
-    fix = "end the line with ';'" + (f" or del {name}" if name.startswith("Out[") else "")
-    return Note("displayed", f"{name} keeps {fmt_bytes(nbytes)} on {device}: {fix}",
-                nbytes, limit, name)
+    return Note("displayed", f"{name} keeps {fmt_bytes(nbytes)} on {device}: end the line "
+                "with ';', or %gpufree lets go of it", nbytes, limit, name)
+
+
+def _displayed_limit(total_bytes: int | None) -> int:
+    """A displayed result this large is said: DISPLAYED_MIN_BYTES, or DISPLAYED_SHARE
+    of an accelerator's memory where that is less."""
+    if total_bytes:
+        return min(DISPLAYED_MIN_BYTES, int(DISPLAYED_SHARE * total_bytes))
+    return DISPLAYED_MIN_BYTES
 
 
 def inference(names: list[str], nbytes: int) -> Note | None:
@@ -191,9 +197,8 @@ class Advisor:
     def _notes(self, record: Any, result: Any, utils: Any) -> Iterator[Note]:
         if utils is not None:
             yield from self._compilations(utils)
-        value = getattr(result, "result", None)
-        if value is not None:
-            found = self._displayed(value, getattr(result, "execution_count", None))
+        if getattr(result, "result", None) is not None:  # no name here: it would hold it
+            found = self._displayed(result)
             if found is not None:
                 yield found
         kept = max(record.device_delta_bytes or 0, record.host_delta_bytes or 0)
@@ -218,9 +223,7 @@ class Advisor:
     def _traceback(self, error: BaseException) -> Note | None:
         """What a failing cell's traceback keeps alive (the out-of-memory hint, made
         before the notes, has cleared its frames already)."""
-        shell = self._shell
-        return traceback_kept(traceback_bytes(
-            error, shell.user_ns, shell.user_ns_hidden, TRACEBACK_MIN_BYTES))
+        return traceback_kept(traceback_bytes(error) or {})
 
     def _busy(self, record: Any) -> Note | None:
         """Read how busy the cell's GPU was over the cell (NVML), into the record."""
@@ -246,13 +249,19 @@ class Advisor:
         start = record.device_allocated_bytes - record.device_delta_bytes
         return near_capacity(record.device, start + record.device_peak_bytes, total)
 
-    def _displayed(self, value: object, cell: int | None) -> Note | None:
-        held = _tensor_bytes(value)
-        if not held:
+    def _displayed(self, result: Any) -> Note | None:
+        """The cell's result, where IPython's references to it alone keep it alive (a
+        result that a name holds, `x` or `x[:3]`, gets none: deleting it frees nothing).
+        The result's tensors are summed first, which costs nothing on a small one."""
+        held = _tensor_bytes(result.result)
+        if all(n < _displayed_limit(self.total_bytes(d)) for d, n in held.items()):
             return None
-        device, nbytes = max(held.items(), key=lambda item: item[1])
-        out = self._shell.user_ns.get("Out", {})
-        name = f"Out[{cell}]" if cell is not None and out.get(cell) is value else "_"
+        shell = self._shell
+        found = result_bytes(shell.user_ns, shell.user_ns_hidden, shell, id(result.result))
+        if not found or not found[1]:
+            return None
+        name, alone = found
+        device, nbytes = max(alone.items(), key=lambda item: item[1])
         return displayed(name, nbytes, device, self.total_bytes(device))
 
     def _inference(self, source: str) -> Note | None:

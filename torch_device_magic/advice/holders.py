@@ -302,12 +302,13 @@ def _result_places(
 
 
 def _result_name(where: list[tuple[dict[Any, Any], Any]]) -> str:
-    """`Out[3]`, else the name IPython gave it (`_`), else "the last result"."""
+    """`Out[3]`, else `_3`, else `_` (`__`, `___`), else "the last result"."""
     keys = [key for _, key in where]
     numbered = [k for k in keys if isinstance(k, int)]
     if numbered:
         return f"Out[{numbered[0]}]"
-    return next((k for k in keys if k != "result"), "the last result")
+    names = sorted((k for k in keys if k != "result"), key=lambda k: (k in _RESULTS, k))
+    return names[0] if names else "the last result"
 
 
 def traceback_walk(error: BaseException, budget: int = WALK_LIMIT) -> _Alone:

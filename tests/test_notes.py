@@ -167,6 +167,32 @@ def test_inference_is_quiet_under_no_grad_in_training_mode_and_with_backward(ip,
     assert last(ip).notes == ()
 
 
+@pytest.mark.parametrize("cell", [
+    "x = torch.randn(8192, 256, requires_grad=True)\nscores = model(x)",
+    "x = torch.randn(8192, 256).requires_grad_()\nscores = model(x)",
+    "x = torch.randn(8192, 256)\nx.requires_grad = True\nscores = model(x)",
+    "with torch.enable_grad():\n    scores = model(x)",
+])
+def test_a_cell_that_asks_for_gradients_is_not_inference(ip, small, cell):
+    """Issue 29, point 4: a saliency cell (model in eval, its input made to require
+    grad, the backward in the next cell) is not told to drop autograd."""
+    run(ip, MODEL)
+    run(ip, "model.eval()")
+    run(ip, cell)
+    assert ip.user_ns["scores"].grad_fn is not None
+    assert last(ip).notes == ()
+    run(ip, "scores.sum().backward()")  # what %%nograd would have broken
+
+
+def test_a_cell_that_asks_for_none_is_inference_still(ip, small):
+    """The other side of point 4: requires_grad=False, or an input that already
+    requires grad, is still inference with a graph kept."""
+    run(ip, MODEL)
+    run(ip, "model.eval()")
+    run(ip, "x2 = torch.randn(8192, 256, requires_grad=False)\nscores = model(x2)")
+    assert rules(ip) == ["inference"]
+
+
 # --- torch.compile -----------------------------------------------------------------------------
 
 COMPILED = """\

@@ -266,12 +266,15 @@ class Advisor:
 
     def _inference(self, source: str) -> Note | None:
         """A cell that called modules, all in eval mode, and no backward, whose new names
-        carry an autograd graph."""
+        carry an autograd graph, and that asked for no gradient (a saliency map's input
+        made with requires_grad=True wants its graph for the next cell's backward)."""
         if "backward" in source or not torch.is_grad_enabled():
             return None
         try:
             tree = ast.parse(source)
         except SyntaxError:  # a cell magic's text, or IPython's own syntax
+            return None
+        if _asks_for_gradients(tree):
             return None
         ns = self._shell.user_ns
         modules = [m for m in _called(tree, ns) if isinstance(m, torch.nn.Module)]
@@ -384,6 +387,28 @@ def _assigned(tree: ast.AST) -> list[str]:
                 if isinstance(sub, ast.Name):
                     names[sub.id] = None
     return list(names)
+
+
+def _asks_for_gradients(tree: ast.AST) -> bool:
+    """Whether a cell makes or sets a leaf with requires_grad (`requires_grad=True`,
+    `.requires_grad_()`, `x.requires_grad = True`) or enables autograd itself
+    (`torch.enable_grad`, `set_grad_enabled`): what it runs is not inference."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "requires_grad":
+            if not _is_false(node.value):
+                return True
+        elif isinstance(node, ast.Attribute) and node.attr in (
+                "requires_grad_", "enable_grad", "set_grad_enabled"):
+            return True
+        elif isinstance(node, ast.Assign) and not _is_false(node.value) and any(
+                isinstance(t, ast.Attribute) and t.attr == "requires_grad"
+                for t in node.targets):
+            return True
+    return False
+
+
+def _is_false(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is False
 
 
 def _called(tree: ast.AST, ns: dict[str, Any]) -> Iterator[Any]:

@@ -241,6 +241,60 @@ def test_the_recompile_limit_says_the_function_runs_uncompiled(ip):
     assert by_rule["recompiled"].text.endswith(f"({limit} of {limit} before the recompile limit)")
 
 
+def test_two_functions_of_one_name_are_two_functions(ip):
+    """Issue 29, point 5: a GAN's G and D (one frame each) are not one function split by a
+    graph break, and their recompiles are not merged."""
+    run(ip, "class G(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n"
+            "class D(torch.nn.Module):\n    def forward(self, x):\n        return x + 1\n"
+            "g = torch.compile(G(), backend='eager', dynamic=False)\n"
+            "d = torch.compile(D(), backend='eager', dynamic=False)")
+    run(ip, "g(torch.ones(3)); d(torch.ones(3));")
+    texts = [n.text.split(": ")[0] for n in last(ip).notes]
+    assert texts == ["compiled forward (a cell's line 2)", "compiled forward (a cell's line 5)"]
+    assert all(": 1 frame in " in n.text for n in last(ip).notes)
+    run(ip, "g(torch.ones(4)); d(torch.ones(4));")
+    notes = last(ip).notes
+    assert [n.rule for n in notes] == ["recompiled", "recompiled"]
+    assert [n.where for n in notes] == ["forward (a cell's line 2)", "forward (a cell's line 5)"]
+    assert all(n.figure == 2 and " times" not in n.text for n in notes)
+
+
+def profiled(ip, cell: str):
+    """%%profile's rule 10 and the note under the same cell."""
+    advice = ip.run_cell(f"%%profile -o\n{cell}", store_history=True).result.advice
+    (rule,) = [a for a in advice if a.rule == "recompiles"]
+    return rule, {n.rule: n for n in last(ip).notes}
+
+
+def test_profiles_recompile_advice_counts_as_the_notes_do(ip):
+    """Issue 29, point 6: 3 recompiles of a function with a graph break are 3, not 6, and
+    they are the function's, not its resumed part's."""
+    run(ip, COMPILED.replace('backend="eager"', 'backend="eager", dynamic=False'))
+    rule, notes = profiled(ip, "for n in (17, 9, 5):\n    fast(torch.ones(n))")
+    assert rule.figure == 3
+    assert rule.text.startswith("torch.compile recompiled 3 times in this cell, last step "
+                                "(a cell's line 1): tensor 'x' size mismatch at index 0. "
+                                "expected 9, actual 5; keep that input fixed")
+    assert notes["recompiled"].text.startswith("recompiled step 3 times: ")
+
+
+def test_profiles_recompile_advice_says_the_limit(ip):
+    """Point 6: 7 recompiles and then the limit read 7 and the limit, never `None (:None)`."""
+    run(ip, "import torch._dynamo\nlimit = torch._dynamo.config.recompile_limit\n"
+            "def add(x, k):\n    return x + k\n"
+            "fast_add = torch.compile(add, backend='eager', dynamic=False)\n"
+            "fast_add(torch.ones(3), 0);")
+    limit = ip.user_ns["limit"]
+    rule, notes = profiled(ip, f"for k in range(1, {limit + 1}):\n    fast_add(torch.ones(3), k)")
+    assert rule.figure == limit - 1
+    assert rule.text.startswith(
+        f"torch.compile recompiled {limit - 1} times in this cell, last add (a cell's line 3): "
+        f"k == {limit - 1}; add then hit the recompile limit ({limit}) and now runs "
+        "uncompiled; keep that input fixed")
+    assert notes["recompiled"].text.startswith(f"recompiled add {limit - 1} times: ")
+    assert "recompile_limit" in notes
+
+
 @pytest.mark.slow
 def test_an_inductor_compile_is_said_once(ip):
     run(ip, "def mlp(x):\n    return torch.relu(x @ x.T).sum()\nfast_mlp = torch.compile(mlp)")

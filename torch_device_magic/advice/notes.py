@@ -304,40 +304,21 @@ def _our_pids() -> set[int]:
 
 
 def _compile_notes(new: list[Any], everything: list[Any], limit: int | None) -> Iterator[Note]:
-    """Per function: its first compiles, its recompiles (one note: the first reason, how
-    many), its graph breaks (a break's resumed part is compiled anew only the first
-    time), the recompile limit, skipped CUDA graphs."""
-    frames: dict[str, list[float]] = {}  # first compiles per function: their times
-    again: dict[str, tuple[str, int, int]] = {}  # recompiles: the last reason, count, times
-    breaks: dict[str, str] = {}  # a function's graph-break reason, waiting for its line
-    notes: list[Note] = []
-    for entry in new:
-        function, line = compiles.function_of(entry, everything)
-        fail = entry.fail_reason or ""
-        if compiles.hit_limit(entry):
-            why = compiles.short_reason(entry.recompile_reason)
-            notes.append(recompile_limit(function, limit, why))
-            continue
-        first = not entry.cache_size
-        if entry.recompile_reason and not first:
-            first_why = compiles.short_reason(entry.recompile_reason)
-            why, count, times = again.get(function, (first_why, 0, 0))
-            # A resumed part recompiles with its function: one recompile of the function.
-            again[function] = (why, max(count, entry.cache_size + 1), times + (line is None))
-        elif first and not fail:
-            frames.setdefault(function, []).append(entry.entire_frame_compile_time_s or 0.0)
-        if entry.restart_reasons and first:
-            breaks[function] = compiles.short_reason(sorted(entry.restart_reasons)[0])
-        if line is not None and first and function in breaks:
-            notes.append(graph_break(function, line, breaks.pop(function)))
-        if getattr(entry, "cudagraph_skip_reason", None):
-            skipped = compiles.short_reason(entry.cudagraph_skip_reason)
-            notes.append(cudagraphs_skipped(function, skipped))
-    yield from (compiled(f, len(times), sum(times)) for f, times in frames.items())
-    yield from (recompiled(f, why, count, limit, times)
-                for f, (why, count, times) in again.items())
-    yield from (graph_break(f, None, why) for f, why in breaks.items())  # line unknown
-    yield from notes
+    """Per function (its code: two `forward`s are two): its first compiles, its
+    recompiles (one note: the first reason, how many), its graph breaks, the recompile
+    limit, skipped CUDA graphs. A name that two functions share says where each is."""
+    found = compiles.functions(new, everything)
+    names = [f.name for f in found]
+    label = {id(f): f.where() if names.count(f.name) > 1 else f.name for f in found}
+    yield from (compiled(label[id(f)], len(f.first), sum(f.first)) for f in found if f.first)
+    yield from (recompiled(label[id(f)], f.reason, f.versions, limit, f.recompiles)
+                for f in found if f.recompiles)
+    for f in found:
+        yield from (graph_break(label[id(f)], line, why) for line, why in f.breaks)
+    yield from (recompile_limit(label[id(f)], limit, f.limit)
+                for f in found if f.limit is not None)
+    for f in found:
+        yield from (cudagraphs_skipped(label[id(f)], why) for why in f.cudagraphs)
 
 
 def _total_bytes(device: str) -> int | None:
@@ -394,15 +375,13 @@ def _asks_for_gradients(tree: ast.AST) -> bool:
     `.requires_grad_()`, `x.requires_grad = True`) or enables autograd itself
     (`torch.enable_grad`, `set_grad_enabled`): what it runs is not inference."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "requires_grad":
-            if not _is_false(node.value):
-                return True
-        elif isinstance(node, ast.Attribute) and node.attr in (
-                "requires_grad_", "enable_grad", "set_grad_enabled"):
-            return True
-        elif isinstance(node, ast.Assign) and not _is_false(node.value) and any(
-                isinstance(t, ast.Attribute) and t.attr == "requires_grad"
-                for t in node.targets):
+        made = (isinstance(node, ast.keyword) and node.arg == "requires_grad"
+                and not _is_false(node.value))
+        enabled = isinstance(node, ast.Attribute) and node.attr in (
+            "requires_grad_", "enable_grad", "set_grad_enabled")
+        set_ = isinstance(node, ast.Assign) and not _is_false(node.value) and any(
+            isinstance(t, ast.Attribute) and t.attr == "requires_grad" for t in node.targets)
+        if made or enabled or set_:
             return True
     return False
 

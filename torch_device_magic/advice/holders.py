@@ -200,6 +200,9 @@ class _Alone:
         return self
 
     def _reach(self, kids: list[object]) -> None:
+        if len(self._missing) + len(kids) > self.budget:  # a list of ten million floats
+            self.over = True
+            return
         times = Counter(map(id, kids))
         for kid in kids:
             c = times.pop(id(kid), 0)
@@ -207,9 +210,6 @@ class _Alone:
                 continue
             missing = self._missing.get(id(kid))
             if missing is None:
-                if len(self._missing) >= self.budget:
-                    self.over = True
-                    return
                 # getrefcount counts `kids`' c references, the loop's and its argument's;
                 # and a tensor that C++ holds too (a view's base) is held by its C++ self
                 missing = sys.getrefcount(kid) - 2 - c - _held_by_cpp(kid)

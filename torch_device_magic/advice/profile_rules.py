@@ -91,7 +91,9 @@ class Setting:
     # (Measurement.device_top_bytes: what it held before, and the peak over that)
     reserved_bytes: int | None = None  # reserved by the caching allocator at the end
     cudnn_benchmark: bool = False
-    recompiles: list[tuple[str, str]] = field(default_factory=list)  # (function, reason)
+    # torch.compile's functions that recompiled or hit the recompile limit in the cell
+    recompiles: list[compiles.Function] = field(default_factory=list)
+    recompile_limit: int | None = None
     largest: tuple[str, int, str] | None = None  # --memory: the largest allocation's line,
     # its bytes and its code
     gpus: int = 0  # CUDA's devices, where CUDA is initialised
@@ -106,11 +108,12 @@ def read_setting(
     import torch
 
     before = {id(r) for r in compiled_before}
-    recompiles = [(compiles.where_defined(r), r.recompile_reason) for r in compiles.records()
-                  if id(r) not in before and getattr(r, "recompile_reason", None)]
+    everything = compiles.records()
+    recompiled = [f for f in compiles.functions([r for r in everything if id(r) not in before],
+                                                everything) if f.recompiles or f.limit]
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
-                      recompiles=recompiles)
+                      recompiles=recompiled, recompile_limit=compiles.recompile_limit())
     if torch.cuda.is_initialized():  # never the call that starts CUDA
         setting.gpus = torch.cuda.device_count()
     if cuda:
@@ -536,14 +539,22 @@ def cudnn_benchmark(f: _Facts) -> Advice | None:
 
 
 def recompiles(f: _Facts) -> Advice | None:
-    """Rule 10 (ours): torch.compile recompiled during the cell."""
+    """Rule 10 (ours): torch.compile recompiled during the cell. The counts are the
+    notes' (compiles.functions): a function's resumed parts recompile with it, and the
+    compile that hits the recompile limit is no recompile."""
     done = f.setting.recompiles
     if not done:
         return None
-    name, reason = done[-1]
-    return Advice("recompiles", float(len(done)), 0.0, None, (
-        f"torch.compile recompiled {plural(len(done), 'time')} in this cell, "
-        f"last {name}: {reason}; keep that input fixed, or mark it dynamic "
+    last = done[-1]
+    times = sum(fn.recompiles for fn in done)
+    limit = f.setting.recompile_limit
+    of = "" if limit is None else f" ({limit})"
+    hit = [fn for fn in done if fn.limit is not None]
+    stop = "".join(f"; {fn.name} then hit the recompile limit{of} and now runs uncompiled"
+                   for fn in hit)
+    return Advice("recompiles", float(times), 0.0, None, (
+        f"torch.compile recompiled {plural(times, 'time')} in this cell, "
+        f"last {last.where()}: {last.last}{stop}; keep that input fixed, or mark it dynamic "
         "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True))"))
 
 

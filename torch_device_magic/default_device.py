@@ -95,7 +95,11 @@ def _wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(factory)
     def with_default(*args: Any, **kwargs: Any) -> Any:
         device = _thread.device
-        if device is not None and kwargs.get("device") is None and not _device_mode_on():
+        if (
+            device is not None
+            and kwargs.get("device") is None
+            and not (torch._C._len_torch_function_stack() and _device_mode_on())
+        ):
             kwargs["device"] = device
         return factory(*args, **kwargs)
 

@@ -1,16 +1,20 @@
 """What the default device, as `%device DEV` installs it, costs a small training step.
 
-    python bench/bench_default_device.py                        # about a minute
-    python bench/bench_default_device.py --quick --device cuda  # the GPU case alone, seconds
+    python bench/bench_default_device.py                 # about a minute; --rounds N
+    python bench/bench_default_device.py --device cuda   # the GPU case alone: seconds
+    python bench/bench_default_device.py --quick         # a smoke run
 
 Each case runs one training step three ways, in the same process: with explicit
 devices (the model made with `device=`, each batch drawn with `device=`: the
 baseline), under `%device`'s default (`DefaultDevice.install`, each batch drawn
 without `device=`), and under torch's own `torch.set_default_device` (a
 TorchFunctionMode that every torch call passes through, factory or not: what
-`%device` installed up to issue 27). Blocks of steps of the three alternate, the
-order reversing each round; each figure is the median over rounds of the ratio
-to the explicit block of the same round.
+`%device` installed up to issue 27). Blocks of 10 steps of the three alternate,
+the rounds going through the six orders in turn, so that each way comes first,
+middle and last equally often. Each figure is the median over rounds of the
+ratio to the explicit block of the same round (many short rounds: on a loaded
+machine one round's ratio strays by a third either way); next to it, the ratio
+of each way's fastest block to the fastest explicit one.
 
 The cases (those this machine has, or `--device`):
 - `tdmdev`, the test device (tests/testdevice, its kernels run on the host): a
@@ -27,6 +31,7 @@ time, synchronised at the end of each block (the small step is launch-bound).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -41,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from torch_device_magic.default_device import DefaultDevice  # noqa: E402
 
 WAYS = ("explicit", "%device", "torch's mode")
+ORDERS = list(itertools.permutations(WAYS))  # each way as often first, middle and last
 SIZES = {"tiny": (16, 32, 4, 8), "small": (64, 128, 10, 32)}  # in, hidden, out, batch
 
 
@@ -95,11 +101,11 @@ def block(step: Callable[[str], None], dev: torch.device, way: str, steps: int) 
 def measure(dev: torch.device, size: str, rounds: int, steps: int) -> None:
     step = training_step(dev, size)
     for way in WAYS * 2:  # warm up every path
-        block(step, dev, way, steps // 4)
+        block(step, dev, way, 50)
     seconds: dict[str, list[float]] = {way: [] for way in WAYS}
     ratios: dict[str, list[float]] = {way: [] for way in WAYS[1:]}
     for n in range(rounds):
-        times = {way: block(step, dev, way, steps) for way in (WAYS if n % 2 == 0 else WAYS[::-1])}
+        times = {way: block(step, dev, way, steps) for way in ORDERS[n % len(ORDERS)]}
         for way in WAYS:
             seconds[way].append(times[way])
         for way in WAYS[1:]:
@@ -112,7 +118,8 @@ def measure(dev: torch.device, size: str, rounds: int, steps: int) -> None:
         if way in ratios:
             r = ratios[way]
             line += (f"   {statistics.median(r):.3f}x explicit "
-                     f"(rounds {min(r):.2f}x-{max(r):.2f}x)")
+                     f"(rounds {min(r):.2f}x-{max(r):.2f}x; "
+                     f"fastest blocks {min(seconds[way]) / min(seconds['explicit']):.3f}x)")
         print(line)
 
 
@@ -134,10 +141,11 @@ def available(name: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    parser.add_argument("--rounds", type=int, default=300, help="rounds (default 300)")
     parser.add_argument("--device", action="append", choices=("tdmdev", "cuda", "cpu"),
                         help="a case to run (repeatable); default: each this machine has")
     args = parser.parse_args()
-    rounds, steps = (5, 100) if args.quick else (9, 300)
+    rounds, steps = (6, 20) if args.quick else (args.rounds, 10)
     torch.set_num_threads(1)  # the per-call cost, not the scheduling of a thread pool
     print(f"torch {torch.__version__}, 1 thread")
     for name in args.device or ("tdmdev", "cuda", "cpu"):

@@ -4,6 +4,7 @@ torch's own default fills in, nothing paid by the other calls, and torch left as
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -217,6 +218,13 @@ def test_a_factory_rebound_meanwhile_is_left_to_whoever_rebound_it(ours):
         torch.empty = original
 
 
+def test_factories_pickle_by_name_under_our_default(ours):
+    """pickle stores a function by its module and name (a `partial(torch.zeros, 3)` sent
+    to a spawned worker): the wrappers are found under the names torch's are."""
+    ours.install(META)
+    assert [n for n in CALLS if pickle.loads(pickle.dumps(resolve(n))) is not resolve(n)] == []
+
+
 def test_torch_jit_script_compiles_factories_as_under_torchs_own(ours):
     def make(n: int) -> torch.Tensor:
         return torch.zeros(n)
@@ -241,15 +249,17 @@ def test_torch_compile_knows_torchs_factories_again_after_release():
         "ours.install(torch.device('meta'))\n"
         "def f(x):\n"
         "    return x + torch.zeros(3) + torch.arange(3)\n"
-        "under = torch.compile(f, backend='eager', fullgraph=True)(torch.ones(3)).device\n"
+        "g = torch.compile(f, backend='eager', fullgraph=True)\n"
+        "under = g(torch.ones(3)).device\n"
         "ours.release()\n"
+        "again = g(torch.ones(3)).device\n"  # compiled under the default: guarded on it
         "torch._dynamo.reset()\n"
-        "after = torch.compile(f, backend='eager', fullgraph=True)(torch.ones(3)).device\n"
-        "print(under, after)\n"
+        "fresh = torch.compile(f, backend='eager', fullgraph=True)(torch.ones(3)).device\n"
+        "print(under, again, fresh)\n"
     )
     root = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
-    assert run.stdout.split() == ["meta", "cpu"], run.stderr[-2000:]
+    assert run.stdout.split() == ["meta", "cpu", "cpu"], run.stderr[-2000:]

@@ -91,7 +91,7 @@ class FactoryDefault:
                 _swap(wrapped=False)
 
 
-def _wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(factory: Callable[..., Any], namespace: ModuleType, name: str) -> Callable[..., Any]:
     @functools.wraps(factory)
     def with_default(*args: Any, **kwargs: Any) -> Any:
         device = _thread.device
@@ -103,6 +103,9 @@ def _wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
             kwargs["device"] = device
         return factory(*args, **kwargs)
 
+    # Named where it is bound (not `_VariableFunctionsClass.zeros`), so that pickle, which
+    # stores a function by its name, finds it there.
+    with_default.__module__, with_default.__qualname__ = namespace.__name__, name
     return with_default
 
 
@@ -123,10 +126,10 @@ def _bindings() -> list[_Binding]:
     factories = {id(f): f for f in utils_device._device_constructors()}
     found: list[_Binding] = []
     for namespace in (torch, torch.fft, torch.nested):
-        for name, value in vars(namespace).items():
+        for name, value in list(vars(namespace).items()):  # a copy: imports add to it
             factory = factories.get(id(value))
             if factory is not None and factory is value:
-                found.append((namespace, name, factory, _wrap(factory)))
+                found.append((namespace, name, factory, _wrap(factory, namespace, name)))
     with contextlib.suppress(Exception):  # TorchScript is optional; its tables are torch's
         from torch.jit import _builtins
 

@@ -93,8 +93,8 @@ class TorchDeviceMagics(Magics):
     set_torch_default = Bool(
         True,
         help="Make the %device choice torch's default device for factory functions "
-        "(torch.set_default_device). It costs on every torch call (about 1.5x on a small "
-        "MLP training step on a CPU) and breaks DataLoader(shuffle=True) on a non-CPU "
+        "(as torch.set_default_device, paid by factory calls only). It breaks "
+        "DataLoader(shuffle=True) on a non-CPU "
         "default; set False to only bind `device` (%device DEV --no-default: for one "
         "choice). Only a default that we set is ever undone.",
     ).tag(config=True)
@@ -239,9 +239,9 @@ class TorchDeviceMagics(Magics):
         default device for factory functions (`torch.zeros(3)` lands there),
         unless `--no-default` (this choice) or `%config
         TorchDeviceMagics.set_torch_default = False` (every choice); the CPU,
-        torch's own default, installs none. That default costs on every torch
-        call (a small MLP training step took about 1.5x as long on a CPU, see
-        the README); forked DataLoader workers start without it. A default
+        torch's own default, installs none. Only factory calls pay for that
+        default (torch's own costs on every torch call, see the README);
+        forked DataLoader workers start without it. A default
         set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
         a CUDA context; MIG instances with their own memory) and marks the

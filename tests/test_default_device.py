@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -15,9 +17,11 @@ import pytest
 import torch
 from torch.utils._device import _device_constructors
 
+from torch_device_magic import default_device
 from torch_device_magic.default_device import DefaultDevice
 
 META = torch.device("meta")
+torch_zeros = torch.zeros  # torch's own: no default is in force as this module loads
 _i, _v = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
 _rows, _cols, _blocks = torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.ones(2, 1, 1)
 with warnings.catch_warnings():
@@ -263,3 +267,25 @@ def test_torch_compile_knows_torchs_factories_again_after_release():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
     assert run.stdout.split() == ["meta", "cpu", "cpu"], run.stderr[-2000:]
+
+
+def test_a_child_forked_while_another_thread_swaps_the_functions_drops_the_default(ours):
+    """A fork copies a lock that another thread holds as held, and that thread does not
+    run in the child: the child must not wait for it."""
+    ours.install(META)
+    read, write = os.pipe()
+    with default_device._lock:  # as if another thread were swapping the functions now
+        pid = os.fork()
+        if pid == 0:  # the child: answer, and never return into pytest
+            try:
+                os.write(write, f"{torch.zeros(1).device} {torch.zeros is torch_zeros}".encode())
+            finally:
+                os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 60)
+    answer = os.read(read, 100).decode() if ready else "the child hung"
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert answer == "cpu True" and torch.zeros(1).device == META

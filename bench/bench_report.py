@@ -13,11 +13,13 @@ bare block next to it (the figure is the median over rounds); on a kernel, one
 cell at a time.
 
 - In-process (`InteractiveShell.run_cell`, `store_history=True`): microseconds
-  added per cell over bare IPython, and ours over ipython-autotime's (target 1.2).
+  added per cell over bare IPython, and ours over ipython-autotime's.
   "reads alone" is a reference that shows nothing: a pre and a post callback that
   make only the reads every report makes (the exact host peak's reset and three
   reads, the free-heap walk, the children check), with the package's own probes.
-  What ours adds to it is the line and the bookkeeping around the reads.
+  What ours adds to it is the line and the bookkeeping around the reads; the
+  target (issue 27) is that this is at most what autotime adds in all, in the
+  same run, and the verdict is printed.
 - Real kernel (nbclient): the per-cell round trip over a bare kernel's (target:
   at most max(1.10, ipython-autotime's ratio + 0.03), both measured in this run;
   the verdict is printed), the median over cells, with one kernel per mode and every cell sent to
@@ -341,6 +343,21 @@ def kernel_verdict(ours: float, autotime: float) -> str:
     )
 
 
+def beyond_reads(added: dict[str, float]) -> str:
+    """The in-process target (issue 27): what ours adds beyond its own reads is at most
+    what autotime adds in all, in the same run; and where that goes (the line, shown or
+    not, and the bookkeeping around the reads)."""
+    beyond, autotime = added["ours"] - added["reads alone"], added["autotime"]
+    over = beyond - autotime
+    verdict = "met" if over <= 0 else f"NOT met, by {over * 1e6:.1f} µs"
+    line = added["ours"] - added["ours, line hidden"]
+    return (
+        f"ours - reads alone: {beyond * 1e6:.1f} µs (the shown line {line * 1e6:.1f}, the "
+        f"bookkeeping {(beyond - line) * 1e6:.1f}); target <= autotime's "
+        f"{autotime * 1e6:.1f} µs: {verdict}"
+    )
+
+
 def show(title: str, column: str, figures: dict[str, str]) -> None:
     print(title)
     print(f"{'mode':<18} {column:>18}")
@@ -372,8 +389,9 @@ def main() -> None:
         "µs added per cell",
         {m: f"{added[m] * 1e6:.1f}" for m in added},
     )
-    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x (target <= 1.2); "
+    print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x; "
           f"the reads alone / autotime: {added['reads alone'] / added['autotime']:.2f}x")
+    print(beyond_reads(added))
     for commit in args.against:
         print(f"ours / ours at {commit}: {added['ours'] / added[f'ours at {commit}']:.3f}x")
     if len(args.against) == 2:

@@ -2,7 +2,7 @@
 """The two commands of the README, runnable with nothing but Python 3.10+ and pip.
 
     python3 scripts/dev.py demo   # run demo.ipynb on a real kernel, print what it showed
-    python3 scripts/dev.py test   # ruff and mypy, then the suite in two environments, one summary
+    python3 scripts/dev.py test   # ruff, mypy, lint-imports, the suite in two envs, one summary
 
 Each creates (or reuses) its own virtual environment: `.venv` with the current
 IPython, and for `test` also `.venv-colab` pinned to what Google Colab ships
@@ -96,6 +96,8 @@ def test(pytest_args: list[str]) -> int:
     lint_rc = _run([py, "-m", "ruff", "check", "."])
     print("== mypy", flush=True)  # the package, as configured in pyproject.toml
     lint_rc |= _run([py, "-m", "mypy"])
+    print("== lint-imports", flush=True)  # the layers, as contracted in pyproject.toml
+    lint_rc |= _run([py.parent / ("lint-imports.exe" if os.name == "nt" else "lint-imports")])
     totals = {"passed": 0, "failed": 1 if lint_rc else 0, "skipped": 0}
     for name in ENVS:
         env_py = ensure_env(name)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import functools
+import signal
+import threading
 
 import IPython
 import pytest
@@ -46,11 +49,61 @@ class RaisingShell(InteractiveShell):
 
 def pytest_addoption(parser):
     """`pytest --update-golden` rewrites tests/golden/ from what the tables render now
-    (as torchinfo's `--overwrite`); review the diff before committing it."""
+    (as torchinfo's `--overwrite`); review the diff before committing it.
+    `--test-timeout S` fails a test whose setup, call or teardown runs past S seconds
+    (scripts/gpu-check gives one, so that a hang costs one test and not the run)."""
     parser.addoption(
         "--update-golden", action="store_true", default=False,
         help="rewrite the expected outputs in tests/golden/ instead of comparing with them",
     )
+    parser.addoption(
+        "--test-timeout", type=float, default=0.0, metavar="S",
+        help="fail a test phase (setup, call, teardown) that runs past S seconds (0: never)",
+    )
+
+
+class TimedOut(Exception):
+    """A test's phase ran past `--test-timeout`."""
+
+
+def _time_limited(item, phase):
+    """Run a phase under `--test-timeout`: SIGALRM raises TimedOut in the test's own code
+    (a wait on a lock, a pipe or a child is interrupted too, and a `subprocess.run` kills
+    its child); a hang in C code that holds the GIL cannot be interrupted, so every
+    thread's stack is dumped a little later, to say where it hangs. pytest-timeout's
+    signal method does the same; it need not be installed."""
+    limit = item.config.getoption("--test-timeout")
+    if not limit or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimedOut(f"the test's {phase} ran past --test-timeout={limit:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    faulthandler.dump_traceback_later(limit + 15)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _time_limited(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _time_limited(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _time_limited(item, "teardown")
 
 
 def pytest_collection_modifyitems(config, items):

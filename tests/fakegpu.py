@@ -12,12 +12,20 @@ that would create a context on a device (an event recorded on its stream, a
 synchronise, set_device, memory_stats before CUDA started) is recorded in
 `contexts`, so that a test can say which GPUs were touched. Only what
 torch_device_magic calls is modelled; `calls` lists them in order.
+
+What leaves a forked child unable to use CUDA while CUDA is not up is recorded in
+`fork_poisons`: torch's build facts (`_cuda_getArchFlags` registers torch's fork
+handler, which marks every later child a bad fork) and torch.profiler's start
+(its `at::hasCUDA()` runs `cudaGetDeviceCount`, which initialises the driver
+whatever activities are asked). CUDA's own start is the user's work, not one.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
+import time
 import types
 import uuid as uuidlib
 from dataclasses import dataclass, field
@@ -28,6 +36,9 @@ import torch
 from torch_device_magic import probes
 
 GIB = 2**30
+# What the fake allocator counts per device: bytes, their peaks, and requests.
+_COUNTS = ("allocated", "peak", "reserved", "reserved_peak", "count", "live", "live_peak",
+           "frees", "freed_bytes")
 
 
 class NVMLError(Exception):
@@ -83,6 +94,8 @@ class FakeEvent:
         device = m.current if stream is None else stream.device_index
         m.context(device, "Event.record")
         self.device, self.at_ms = device, m.clock_ms[device]
+        if m.host_timeline:  # done when the queued work is, and not before it is recorded
+            self.at_ms = max(time.perf_counter(), m.busy_until[device]) * 1000
         m.calls.append(("Event.record", device))
 
     def elapsed_time(self, end: FakeEvent) -> float:
@@ -105,6 +118,7 @@ class FakeMachine:
         arch_flags: str = "sm_75 sm_80 sm_86 sm_90 compute_90",
         backend: str = "native",
         nvml: bool = True,
+        host_timeline: bool = False,
     ) -> None:
         self.gpus = gpus  # NVML (PCI) order
         visible = [m for g in gpus for m in (g.migs or [g])]
@@ -116,13 +130,19 @@ class FakeMachine:
         self.current = 0
         self.lazy: list[Any] = []
         self.calls: list[tuple[str, Any]] = []
+        self.fork_poisons: list[str] = []  # see the module docstring
         self.nvml_inits = 0
         self.nvml_init_error: type[Exception] | None = None if nvml else LibraryNotFound
         self.count_error: Exception | None = None
         self.sticky: str | None = None
         n = len(self.cuda)
         self.clock_ms = [0.0] * n
-        self.stats = [{"allocated": 0, "peak": 0, "reserved": 0, "count": 0} for _ in range(n)]
+        # With `host_timeline`, a device runs on the host's clock (time.perf_counter, the
+        # Meter's): kernels queue up until `busy_until`, an event is stamped when the
+        # device reaches it, and a synchronise waits for the queue to drain.
+        self.host_timeline = host_timeline
+        self.busy_until = [0.0] * n
+        self.stats = [dict.fromkeys(_COUNTS, 0) for _ in range(n)]
 
     # --- what a test does to the machine ---------------------------------------------
 
@@ -142,27 +162,42 @@ class FakeMachine:
         s["allocated"] += n_bytes
         s["peak"] = max(s["peak"], s["allocated"])
         s["reserved"] = max(s["reserved"], s["allocated"])
+        s["reserved_peak"] = max(s["reserved_peak"], s["reserved"])
         s["count"] += 1
+        s["live"] += 1
+        s["live_peak"] = max(s["live_peak"], s["live"])
         if not keep:
             s["allocated"] -= n_bytes
+            s["live"] -= 1
+            s["frees"] += 1
+            s["freed_bytes"] += n_bytes
 
     def run(self, device: int, ms: float) -> None:
         """Kernels on `device`'s current stream that take `ms` milliseconds."""
         self.context(device, "kernel")
         self.clock_ms[device] += ms
+        self.busy_until[device] = max(time.perf_counter(), self.busy_until[device]) + ms / 1000
 
     def sample(self, device: int, percents: list[int], pid: int | None = None,
                at_us: int | None = None) -> None:
         """NVML's buffers get one sample per percent, now (or at `at_us`): the device's,
         and `pid`'s (the device's figure) where a pid is given."""
-        import time
-
         gpu = self.cuda[device]
         now = int(time.time() * 1e6) if at_us is None else at_us
         for i, value in enumerate(percents):
             gpu.samples.append((now + i, value))
             if pid is not None:
                 gpu.process_samples.append((pid, now + i, value))
+
+    def poison_fork(self, why: str) -> None:
+        """`why` would leave a child forked from now on unable to use CUDA, where CUDA
+        is not up yet (once it is, every fork is poisoned by the user's own work)."""
+        if not self.initialized:
+            self.fork_poisons.append(why)
+
+    def arch_flags_read(self) -> str:
+        self.poison_fork("torch._C._cuda_getArchFlags (torch's fork handler)")
+        return self.arch_flags
 
     def context(self, device: int, why: str) -> None:
         if not self.initialized:
@@ -192,29 +227,65 @@ class FakeMachine:
         return types.SimpleNamespace(name=g.name, uuid=g.uuid, total_memory=g.total,
                                      major=g.capability[0], minor=g.capability[1])
 
-    def memory_stats(self, i: int) -> dict[str, int]:
+    def memory_stats_nested(self, i: int) -> dict[str, Any]:
+        """`torch._C._cuda_memoryStats`: the allocator's counters as the C++ call builds them
+        (every key, nested), so that torch's own flattening costs what it does on a GPU.
+        cudaMallocAsync fills only the byte counters of "all" (the driver's pool
+        attributes); every other figure stays 0 there."""
         self.calls.append(("memory_stats", i))
         if not self.initialized:
-            return {}
-        s = self.stats[i]
-        out = {
-            "allocated_bytes.all.current": s["allocated"],
-            "allocated_bytes.all.peak": s["peak"],
-            "reserved_bytes.all.current": s["reserved"],
-            "allocation.all.allocated": s["count"],
-        }
+            raise AssertionError(f"memory_stats on cuda:{i} would initialise CUDA")
         if self.backend == "cudaMallocAsync":
-            out["allocation.all.allocated"] = 0  # only the byte counters are filled there
-        return out
+            self.context(i, "memory_stats")  # it reads the pool under a device guard
+        s = self.stats[i]
+
+        def stat(current: int = 0, peak: int = 0, allocated: int = 0, freed: int = 0) -> dict:
+            return {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+
+        native = self.backend != "cudaMallocAsync"
+        bytes_ = (s["allocated"], s["peak"], s["allocated"] + s["freed_bytes"], s["freed_bytes"])
+        reserved = (s["reserved"], s["reserved_peak"], s["reserved"])
+        counts = (s["live"], s["live_peak"], s["count"], s["frees"])
+        segments = (int(s["reserved"] > 0),) * 3
+        if not native:  # the driver's pool: the current and peak bytes of "all" only
+            bytes_, reserved, counts, segments = bytes_[:2], reserved[:2], (), ()
+
+        def pools(whole: tuple = ()) -> dict:
+            """One stat array, every dict new as pybind makes them (its blocks are large)."""
+            return {"all": stat(*whole), "small_pool": stat(),
+                    "large_pool": stat(*whole) if native else stat()}
+
+        arrays = {"allocation": pools(counts), "segment": pools(segments),
+                  "active": pools(counts), "inactive_split": pools(),
+                  "allocated_bytes": pools(bytes_), "reserved_bytes": pools(reserved),
+                  "active_bytes": pools(bytes_), "inactive_split_bytes": pools(),
+                  "requested_bytes": pools(bytes_ if native else ())}
+        return {"num_alloc_retries": 0, "num_ooms": 0, "max_split_size": -1 if native else 0,
+                "num_sync_all_streams": 0, "num_device_alloc": s["count"] if native else 0,
+                "num_device_free": 0, **arrays,
+                "oversize_allocations": stat(), "oversize_segments": stat()}
+
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        """torch.cuda.memory's own: {} before CUDA starts, else the C++ call."""
+        if not self.initialized:
+            return {}
+        index = device if isinstance(device, int) or device is None else torch.device(device).index
+        return self.memory_stats_nested(self.current if index is None else index)
 
     def reset_peak_memory_stats(self, i: int) -> None:
+        """`torch._C._cuda_resetPeakMemoryStats`: every peak back to its current value."""
         self.calls.append(("reset_peak_memory_stats", i))
-        self.stats[i]["peak"] = self.stats[i]["allocated"]
+        if self.backend == "cudaMallocAsync":
+            self.context(i, "reset_peak_memory_stats")
+        s = self.stats[i]
+        s["peak"], s["reserved_peak"], s["live_peak"] = s["allocated"], s["reserved"], s["live"]
 
     def synchronize(self, i: int | None = None) -> None:
         device = self.current if i is None else i
         self.calls.append(("synchronize", device))
         self.context(device, "synchronize")
+        if self.host_timeline:
+            time.sleep(max(0.0, self.busy_until[device] - time.perf_counter()))
         if self.sticky is not None:
             raise RuntimeError(f"CUDA error: {self.sticky}\nCUDA kernel errors might be ...")
 
@@ -323,10 +394,16 @@ class FakeMachine:
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setattr(torch.version, "cuda", self.torch_cuda)
         monkeypatch.setattr(torch.version, "hip", None)
-        for name in ("device_count", "get_device_name", "get_device_properties",
-                     "memory_stats", "reset_peak_memory_stats", "synchronize",
+        for name in ("device_count", "get_device_name", "get_device_properties", "synchronize",
                      "current_stream", "current_device", "set_device"):
             monkeypatch.setattr(cuda, name, getattr(self, name))
+        # The allocator's C++ calls; torch.cuda.memory_stats and the rest stay torch's own
+        # Python (its flattening), reading them through memory_stats_as_nested_dict.
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.memory_stats_nested, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", self.reset_peak_memory_stats,
+                            raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict",
+                            self.memory_stats_as_nested_dict)
         monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialized)
         monkeypatch.setattr(cuda, "_lazy_call", self.lazy_call)
         monkeypatch.setattr(cuda, "Event", lambda enable_timing=False: FakeEvent(self))
@@ -335,13 +412,21 @@ class FakeMachine:
         monkeypatch.setattr(cuda, "ipc_collect", lambda: self.calls.append(("ipc_collect", None)))
         monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", self.has_primary_context,
                             raising=False)
-        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: self.arch_flags,
-                            raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getArchFlags", self.arch_flags_read, raising=False)
+        prepare = torch.autograd.profiler._prepare_profiler
+
+        def prepare_profiler(*args: Any, **kwargs: Any) -> Any:
+            self.poison_fork("torch.profiler's start (cudaGetDeviceCount initialises the driver)")
+            return prepare(*args, **kwargs)
+
+        monkeypatch.setattr(torch.autograd.profiler, "_prepare_profiler", prepare_profiler)
         # torch.accelerator must not answer for a real device under the fake one
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None,
                             raising=False)
         monkeypatch.setitem(sys.modules, "pynvml", self.pynvml())
         monkeypatch.setattr(probes, "_nvml_module", None)
+        # Devices of this machine, not another test's (an Accelerator keeps what it learnt)
+        monkeypatch.setattr(probes, "_accelerator", functools.cache(probes.Accelerator))
         monkeypatch.setattr(probes, "mps_available", lambda: False)
         monkeypatch.setattr(probes, "_MPS_BUILT", False)
         return self

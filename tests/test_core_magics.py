@@ -198,6 +198,37 @@ def test_the_magics_hold_one_session_and_say_when_they_have_no_shell(ip):
         alone.shell  # noqa: B018
 
 
+def ours(objects) -> list[str]:
+    """The class names of the objects that are the extension's."""
+    return sorted(type(o).__name__ for o in objects
+                  if type(o).__module__.startswith("torch_device_magic"))
+
+
+def test_config_lists_the_one_configurable_and_a_reload_leaves_one_of_each(ip, capsys):
+    from torch_device_magic.magics import GROUPS
+
+    ip.run_line_magic("reload_ext", "torch_device_magic")
+    capsys.readouterr()
+    ip.run_line_magic("config", "")
+    listed = capsys.readouterr().out
+    assert listed.count("TorchDeviceMagics") == 1  # the groups hold no trait of their own
+    ip.run_line_magic("config", "TorchDeviceMagics")
+    traits = capsys.readouterr().out
+    assert "TorchDeviceMagics.report_min_seconds" in traits and "set_torch_default" in traits
+    ip.run_line_magic("config", "TorchDeviceMagics.report_min_seconds = 2.5")
+    core = ip.magics_manager.registry["TorchDeviceMagics"]
+    assert core.report_min_seconds == 2.5 and core.reporter.min_seconds == 2.5
+    assert ours(ip.configurables) == sorted(["TorchDeviceMagics", *(g.__name__ for g in GROUPS)])
+    for kind in ("line", "cell"):  # every magic is bound to an object of this load
+        bound = [fn.__self__ for fn in ip.magics_manager.magics[kind].values()
+                 if hasattr(fn, "__self__") and ours([fn.__self__])]
+        assert all(getattr(m, "core", m) is core for m in bound)
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert ours(ip.configurables) == [] and ours(ip.magics_manager.registry.values()) == []
+    assert {"device", "ondevice", "tensors", "gpumem", "devcompare"}.isdisjoint(
+        {*ip.magics_manager.magics["line"], *ip.magics_manager.magics["cell"]})
+
+
 def test_last_expression_is_out_and_semicolon_silences_it(ip):
     ip.run_cell("%%nograd\nx = 20\nx + 22", store_history=True)
     assert ip.user_ns["_"] == 42

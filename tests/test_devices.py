@@ -263,15 +263,19 @@ def test_a_driver_too_old_for_this_torch_is_the_reason_auto_skips_cuda(monkeypat
     assert dev == torch.device("cpu") and f"cuda:0 not usable: {problem}" in why
 
 
-def test_a_gpu_this_build_has_no_kernels_for_is_skipped_by_auto(monkeypatch):
+def test_a_gpu_this_build_has_no_kernels_for_is_skipped_by_auto_once_cuda_runs(monkeypatch):
+    """torch's arch list is read only once CUDA is up: reading it registers torch's fork
+    handler, after which no forked child could use CUDA."""
     gpus = [Gpu("Tesla K80", used=0, capability=(3, 7)), Gpu("NVIDIA A100", used=70 * GIB)]
     machine = FakeMachine(gpus).install(monkeypatch)
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert [d.problem for d in devices.take_inventory().of_type("cuda")] == [None, None]
+    assert machine.fork_poisons == []
+    machine.start_cuda(1)
     inv = devices.take_inventory()
     assert inv.of_type("cuda")[0].problem.startswith("compute capability 3.7 is not among")
     assert pick_auto(inv)[0] == torch.device("cuda:1")  # less free, but usable
     assert "it may not work: compute capability 3.7" in resolve("cuda:0", inv)[1]
-    assert not machine.initialized
 
 
 @pytest.mark.parametrize(("capability", "arches", "runs"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -76,6 +77,43 @@ def test_a_benchmarks_report_is_kept_and_a_slow_one_is_stopped(tmp_path):
     assert not failed.ok and failed.figures.startswith("exit 1") and "no GPU here" in failed.output
 
 
+def test_a_test_that_hangs_fails_alone_after_its_timeout(tmp_path):
+    """gpu-check's --test-timeout (tests/conftest.py): a hang costs one test, and the next
+    one runs; no pytest-timeout needed."""
+    (tmp_path / "test_hang.py").write_text(
+        "import threading\n"
+        "def test_hangs():\n"
+        "    threading.Event().wait()\n"
+        "def test_after():\n"
+        "    pass\n"
+    )
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get(
+        "PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "--test-timeout", "2", "-q",
+         "-p", "no:cacheprovider", "test_hang.py"],
+        cwd=tmp_path, timeout=240, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-3000:]
+    assert "TimedOut: the test's call ran past --test-timeout=2 s" in proc.stdout
+
+
+def test_the_gpu_benchmarks_fit_five_minutes_and_each_exists():
+    gpu_check = load_gpu_check()
+    assert sum(budget for _, budget in gpu_check.BENCHES.values()) <= 300
+    for script in gpu_check.BENCHES:
+        assert (ROOT / "bench" / script).exists(), script
+
+
+def test_a_benchmarks_report_is_printed_as_it_comes(tmp_path, capsys):
+    slow = tmp_path / "bench_slow.py"
+    slow.write_text("import time\nprint('first')\ntime.sleep(60)\n")  # not flushed by hand
+    stopped = load_gpu_check().run_bench(slow, timeout_s=3)
+    assert (stopped.ok, stopped.figures, stopped.output) == (False, "timed out", "first\n")
+    assert "  first\n" in capsys.readouterr().out  # printed before the end
+
+
 def test_help_lists_what_only_a_gpu_confirms():
     help_text = gpu_check("--help").stdout
     assert "What only a GPU confirms (issue 12" in help_text
@@ -84,8 +122,8 @@ def test_help_lists_what_only_a_gpu_confirms():
     assert "And for issue 21" in help_text
     for item in ("N1", "N2", "N3", "N4"):
         assert f"\n  {item}" in help_text, item
-    assert "bench/bench_notes.py" in help_text  # gpu-check runs every bench/bench_*.py
-    assert (ROOT / "bench" / "bench_notes.py").exists()
+    assert "bench/bench_notes.py" in help_text
+    assert "bench_notes.py" in load_gpu_check().BENCHES
 
 
 @pytest.mark.parametrize(("cuda", "counts", "ok"), [

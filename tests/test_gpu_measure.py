@@ -90,7 +90,8 @@ def test_work_on_another_stream_is_said_to_be_outside_the_current_streams_time(i
 
 
 def in_fresh_process(cells: list[str], **env: str) -> dict:
-    """Run `cells` reported, in a new Python with `env`: every record, and `extra`'s value."""
+    """Run `cells` reported, in a new Python with `env`: the record of each cell, in order
+    (`import torch` first: None for a cell without one), and `extra`'s value."""
     script = textwrap.dedent(
         """
         import json, sys
@@ -100,11 +101,11 @@ def in_fresh_process(cells: list[str], **env: str) -> dict:
         config = Config()
         config.HistoryManager.hist_file = ":memory:"
         ip = InteractiveShell.instance(config=config)
-        ip.run_cell("%load_ext torch_device_magic", store_history=True)
-        for cell in json.loads(sys.argv[1]):
-            ip.run_cell(cell, store_history=True)
+        ip.run_cell("%load_ext torch_device_magic", store_history=True)  # a record of its own
+        ran = [ip.run_cell(cell, store_history=True) for cell in json.loads(sys.argv[1])]
         history = ip.magics_manager.registry["TorchDeviceMagics"].reporter.history
-        records = [dict(r.as_dict(), summary=r.summary()) for r in history]
+        by_cell = {r.cell: dict(r.as_dict(), summary=r.summary()) for r in history}
+        records = [by_cell.get(result.execution_count) for result in ran]
         print(json.dumps({"records": records, "extra": ip.user_ns.get("extra")}))
         """
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from torch_device_magic.hints import PREFIX, hint
+from torch_device_magic.advice.hints import PREFIX, hint
 
 META = torch.device("meta")
 
@@ -87,7 +87,7 @@ def test_data_loader_under_a_meta_default_device():
 
 
 def test_data_loader_under_a_cuda_default_offers_a_generator(monkeypatch):
-    import torch_device_magic.hints as hints
+    import torch_device_magic.advice.hints as hints
 
     monkeypatch.setattr(hints, "torch_default_device", lambda: torch.device("cuda:0"))
     err = error_of(lambda: next(iter(DataLoader([1], collate_fn=generator_error))))
@@ -325,7 +325,7 @@ def test_hints_without_the_report_keep_only_post_run_cell(ip, capsys):
 
 
 def test_a_fault_while_hinting_prints_nothing_more(ip, capsys, monkeypatch):
-    import torch_device_magic.hints as hints
+    import torch_device_magic.advice.hints as hints
 
     def broken(*args):
         raise ValueError("bug in a hint")
@@ -356,7 +356,7 @@ def test_on_a_kernel_the_hint_follows_the_error_output():
 
 
 def test_a_bug_in_a_hint_leaves_a_debug_record_with_its_traceback(ip, capsys, caplog, monkeypatch):
-    import torch_device_magic.hints as hints
+    import torch_device_magic.advice.hints as hints
 
     def broken(*args):
         raise ValueError("bug in a hint")

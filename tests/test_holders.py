@@ -11,7 +11,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic import holders
+from torch_device_magic.advice import holders
 
 MIB = 2**20
 

@@ -3,7 +3,10 @@ the devices a cell changed, a sticky error, and None for what cannot be read."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 from fakegpu import GIB, FakeMachine, Gpu
 
 from torch_device_magic import measure, probes
@@ -123,7 +126,7 @@ def test_without_sync_nothing_is_waited_for_and_there_is_no_device_time(monkeypa
     m = meter.stop()
     meter.close()
     assert m.device == "cuda:0" and m.device_s is None
-    assert not any(call == "synchronize" for call, _ in machine.calls)
+    assert not any(call in ("synchronize", "Event.record") for call, _ in machine.calls)
 
 
 def test_device_time_reads_as_the_current_streams(monkeypatch):
@@ -279,3 +282,126 @@ def test_a_dear_reading_is_timed_against_the_cpu_of_the_thread_that_runs_the_cel
     assert heap.reads == 1  # the last stop was the other thread's: wall time again
     cell(106.0)  # 5 s of this thread's CPU: a reading is affordable
     assert heap.reads == 2
+
+
+class SlowHost(CpuHost):
+    """A host probe whose start and stop each take `seconds` (a slow read of /proc)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def start(self) -> None:
+        time.sleep(self.seconds)
+
+    def stop(self) -> tuple[int, int]:
+        time.sleep(self.seconds)
+        return 0, 0
+
+
+def test_the_device_window_lies_inside_the_wall_window(monkeypatch):
+    """The device's events are stamped on the host's clock here: whatever of ours runs
+    around the cell (a slow host probe), the device time never exceeds the wall time."""
+    machine = FakeMachine([Gpu()], host_timeline=True).install(monkeypatch)
+    machine.start_cuda(0)
+    meter = Meter(host=SlowHost(0.02))
+    for cell in (lambda: None, lambda: machine.run(0, 5.0), lambda: None):
+        meter.start()
+        cell()
+        m = meter.stop()
+        assert m.device_s is not None and m.device_s <= m.wall_s
+    meter.close()
+
+
+MIB = 2**20
+
+
+def test_a_cell_reads_the_allocator_once_and_never_through_torchs_flattening(monkeypatch):
+    """The counters come nested from the C++ call, once at each boundary between two
+    cells: the reading that ends one cell starts the next."""
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda(0)
+
+    def flattening(*args, **kwargs):
+        raise AssertionError("torch's Python flattening: 5x the C++ call it flattens")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", flattening)
+    monkeypatch.setattr(torch.accelerator, "memory_stats", flattening, raising=False)
+    meter = Meter()
+    found = []
+    for n in range(1, 4):
+        meter.start()
+        machine.allocate(0, n * MIB, keep=False)
+        machine.allocate(0, 10)
+        found.append(meter.stop())
+    meter.close()
+    assert [(m.device_delta_bytes, m.device_peak_bytes) for m in found] == [
+        (10, MIB), (10, 2 * MIB), (10, 3 * MIB)]
+    assert [m.device_allocated_bytes for m in found] == [10, 20, 30]
+    assert sum(call == "memory_stats" for call, _ in machine.calls) == 1 + 3
+
+
+def test_what_another_thread_allocates_between_two_cells_counts_in_the_next(monkeypatch):
+    """Nothing is lost between two cells: the next one starts from the last reading (and
+    a start on another device reads that device afresh)."""
+    machine = two_gpus(monkeypatch)
+    meter = Meter()
+    meter.start()
+    machine.allocate(0, 100)
+    assert meter.stop().device_delta_bytes == 100
+    machine.allocate(0, 7 * MIB, keep=False)  # a transient between the cells
+    machine.allocate(0, 50)
+    meter.start()
+    second = meter.stop()
+    assert (second.device_delta_bytes, second.device_peak_bytes) == (50, 7 * MIB)
+    reads = sum(call == "memory_stats" for call, _ in machine.calls)
+    meter.start("cuda:1")
+    machine.allocate(1, 30)
+    third = meter.stop()
+    meter.close()
+    assert (third.device, third.device_delta_bytes) == ("cuda:1", 30)
+    assert sum(call == "memory_stats" for call, _ in machine.calls) == reads + 4  # both, twice
+
+
+@pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
+def test_a_transient_gigabyte_is_the_peak_under_both_allocators(monkeypatch, backend):
+    """As on an H200: a float kept, then 1 GiB made and freed. Under cudaMallocAsync only
+    the byte counters of "all" move (and the allocation count stays 0)."""
+    machine = FakeMachine([Gpu()], backend=backend).install(monkeypatch)
+    machine.start_cuda(0)
+    meter = Meter()
+    meter.start()
+    machine.allocate(0, 4)
+    warm = meter.stop()
+    meter.start()
+    machine.allocate(0, GIB, keep=False)
+    transient = meter.stop()
+    meter.close()
+    assert (warm.device_delta_bytes, warm.device_peak_bytes) == (4, 4)
+    assert (transient.device_delta_bytes, transient.device_peak_bytes) == (0, GIB)
+    moved = {k for k, v in torch.cuda.memory_stats(0).items() if v and k != "max_split_size"}
+    if backend == "cudaMallocAsync":
+        assert moved == {"allocated_bytes.all.current", "allocated_bytes.all.peak",
+                         "active_bytes.all.current", "active_bytes.all.peak",
+                         "reserved_bytes.all.current", "reserved_bytes.all.peak"}
+    else:
+        assert {"allocation.all.allocated", "segment.all.current"} <= moved
+
+
+def test_a_host_change_below_a_page_reads_zero(monkeypatch):
+    """RSS moves by pages: a cell that left 880 B in malloc's free lists while RSS stood
+    still reads 0 B, not -880 B; a change of pages keeps its bytes."""
+    heap = Heap(monkeypatch, cost_s=1e-6)
+    host = CpuHost()
+    meter = measure.Meter(host=host)
+    meter._heap = measure.FreeHeap(heap)
+    meter.start()
+    heap.free += 880
+    small = meter.stop()
+    host.stop = lambda: (3 * probes.PAGE_BYTES, 3 * probes.PAGE_BYTES)
+    meter.start()
+    heap.free += 880
+    pages = meter.stop()
+    meter.close()
+    assert (small.host_delta_bytes, small.host_peak_bytes) == (0, 0)
+    assert "host 0 B (peak 0 B)" in small.summary()
+    assert pages.host_delta_bytes == 3 * probes.PAGE_BYTES - 880

@@ -1,4 +1,4 @@
-"""The notes under the per-cell line (advice.py): a cell, then the note and the record.
+"""The notes under the per-cell line (advice/notes.py): a cell, then the note and the record.
 
 Each note appears when a cell left something to act on, and ordinary cells (a plain
 training step, a small displayed tensor, a short cell) get none.
@@ -12,7 +12,7 @@ import pytest
 from fakegpu import GIB, FakeMachine, Gpu, loaded_with_gpu
 from IPython.core.interactiveshell import InteractiveShell
 
-from torch_device_magic.hints import PREFIX
+from torch_device_magic.advice.hints import PREFIX
 
 MiB = 2**20
 
@@ -40,10 +40,10 @@ def lines_after_report(out: str) -> list[str]:
 @pytest.fixture
 def small(monkeypatch):
     """Thresholds a test can reach with tensors of a few MiB (the machine is shared)."""
-    from torch_device_magic import advice
+    from torch_device_magic.advice import notes
 
-    monkeypatch.setattr(advice, "DISPLAYED_MIN_BYTES", 8 * MiB)
-    monkeypatch.setattr(advice, "INFERENCE_MIN_BYTES", 8 * MiB)
+    monkeypatch.setattr(notes, "DISPLAYED_MIN_BYTES", 8 * MiB)
+    monkeypatch.setattr(notes, "INFERENCE_MIN_BYTES", 8 * MiB)
 
 
 # --- ordinary cells: no note ---------------------------------------------------------------
@@ -252,9 +252,9 @@ def test_a_peak_below_90_percent_is_quiet(shell, monkeypatch):
 @pytest.fixture
 def short_cells(monkeypatch):
     """Cells of any length get the GPU's busy share read (a test's cell is short)."""
-    from torch_device_magic import advice
+    from torch_device_magic.advice import notes
 
-    monkeypatch.setattr(advice, "BUSY_MIN_S", 0.0)
+    monkeypatch.setattr(notes, "BUSY_MIN_S", 0.0)
 
 
 def test_a_gpu_busy_for_part_of_the_cell_says_so(shell, capsys, monkeypatch, short_cells):

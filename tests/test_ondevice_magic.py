@@ -8,6 +8,7 @@ import pytest
 import torch
 from faults import FailOnAllocation
 from IPython.core.error import UsageError
+from test_reach import SCORES
 
 from torch_device_magic import moving
 from torch_device_magic.probes import torch_default_device
@@ -486,6 +487,15 @@ def test_calling_a_module_moves_what_its_forward_reads_not_what_its_other_method
     assert "followed into Net.forward: scale" in capsys.readouterr().out.splitlines()
     ip.run_cell("%%ondevice meta\nnet.fit()")  # a cell that names fit moves what fit reads
     assert ns["train_x"].device == META and ns["gallery"][0].device.type == "cpu"
+
+
+@pytest.mark.parametrize("cell", ["s = score(vals)", "s = bound_kw(vals)"])
+def test_a_callable_given_as_a_default_or_to_a_partial_moves_what_it_reads(ip, tdmdev, cell):
+    ip.run_cell(SCORES)  # score(v, metric=weighted), where weighted reads weights
+    ip.run_cell(f"%%ondevice tdmdev\n{cell}")
+    ns = ip.user_ns
+    assert ns["vals"].device.type == "tdmdev" and ns["weights"].device.type == "tdmdev"
+    assert ns["s"].device.type == "tdmdev" and ns["s"].item() == 3.0
 
 
 def test_verbose_names_what_a_function_of_the_users_own_module_keeps(ip, ns, tmp_path,

@@ -47,11 +47,18 @@ def test_threads_records_the_ops_of_the_threads_the_cell_starts(ip):
     # are not traced, and their work happened while the cell started and joined them
     lines = {r.code: r for r in report.lines}
     waited = lines["t.join()"].cpu_s + lines["t.start()"].cpu_s
-    assert waited > 0 and sum(r.cpu_s for r in report.lines) == pytest.approx(
-        sum(r.self_cpu_s for r in report.ops), rel=1e-6)
+    # The tolerance is not the timer's: events are whole ns, and the sums agree to the ns
+    # where every op starts inside a line. An op a thread starts while the cell's thread
+    # is between two lines (in the tracer, as `t.start()` returns) goes to no line: under
+    # load, up to 66 µs in 20 runs of 60 (rel=1e-6 failed those). The lines miss those
+    # ops and no more.
+    kept = events.from_kineto(report.profiler.profiler.kineto_results)
+    between = sum(e.end_ns - e.start_ns for e in kept
+                  if e.kind == "op" and report.analysis.line_at(e.start_ns) is None) / 1e9
+    missed = sum(r.self_cpu_s for r in report.ops) - sum(r.cpu_s for r in report.lines)
+    assert waited > 0 and -1e-9 < missed < between + 1e-9
     assert ip.user_ns["done"] is True
-    if not any(e.kind == "memory" for e in events.from_kineto(
-            report.profiler.profiler.kineto_results)):
+    if not any(e.kind == "memory" for e in kept):
         assert any("--threads: this torch records no memory" in n for n in report.notes)
 
 
@@ -125,6 +132,7 @@ def test_a_first_run_is_not_taken_as_the_plain_run(ip, capsys):
     out = capsys.readouterr().out
     assert "the plain run" not in out
     assert f"In[{first}] was this code's first run" in out and "--warmup 1" in out
+    assert "a training cell trains once more" in out  # what --warmup 1 costs
     warm = run(ip, LOOP).execution_count  # the same code again: warm
     capsys.readouterr()
     report = run(ip, f"%%profile -o\n{LOOP}").result
@@ -215,3 +223,20 @@ def test_sort_device_without_device_activity_titles_the_table_as_sorted(ip, caps
     assert "no device activity was recorded, so by self CPU time" in out
     assert "top ops by self CPU time" in out and "top ops by device time" not in out
     assert torch.is_grad_enabled()
+
+
+def test_a_plain_run_before_its_inputs_were_bound_again_is_not_compared(ip):
+    run(ip, "x = torch.randn(64, 64)")
+    run(ip, "y = x @ x")
+    plain = run(ip, "y = x @ x").execution_count
+    report = run(ip, "%%profile -o\ny = x @ x").result
+    assert report.plain_from == f"In[{plain}]"  # nothing bound x since
+    rebound = run(ip, "x = torch.randn(300, 300)").execution_count
+    report = run(ip, "%%profile -o\ny = x @ x").result
+    assert report.plain_wall_s is None and report.plain_from is None
+    assert any(f"In[{rebound}] bound x again after In[{plain}] ran this code" in n
+               for n in report.notes)
+    run(ip, "y = x @ x")
+    assert run(ip, "%%profile -o\ny = x @ x").result.plain_wall_s is not None  # warm again
+    run(ip, "%device cpu --move")  # moves every tensor: their devices may differ
+    assert run(ip, "%%profile -o\ny = x @ x").result.plain_wall_s is None

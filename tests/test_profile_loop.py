@@ -10,13 +10,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import weakref
 
 import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic.profile import ProfileReport, capture
+from torch_device_magic.profile import ProfileReport, capture, tables
 from torch_device_magic.profile.events import analyse
 
 LOOP = ("w = torch.ones(8, 8)\n"
@@ -122,37 +123,133 @@ def profile_o(ip, cell: str, line: str = "") -> ProfileReport:
     return ip.run_cell(f"%%profile -o {line}\n{cell}").result
 
 
+def calls(report: ProfileReport, op: str) -> int:
+    return next((r.calls for r in report.analysis.ops if r.name == op), 0)
+
+
+def row(report: ProfileReport, code: str):
+    return next(r for r in report.lines if r.code == code)
+
+
 def test_a_long_loop_is_recorded_up_to_a_bound_and_its_lines_timed_over_every_step(ip):
     short, long = (profile_o(ip, LOOP.format(n=n)) for n in (200, 2000))
     assert short.analysis.op_calls == long.analysis.op_calls > 0  # bounded, not per step
     assert 0 < long.trace_bytes < 1.5 * short.trace_bytes  # the last one only is kept
     for report, n in ((short, 200), (long, 2000)):
         assert (report.steps, report.full_steps) == (n, 5)
-        assert next(r for r in report.lines if r.code == "y = (w @ w).relu()").hits == n
-        assert next(r for r in report.lines if r.code == "done = i").hits == 1  # after the loop
+        assert report.loops == [capture.LoopSteps("2", [n])]
+        assert row(report, "y = (w @ w).relu()").hits == n
+        assert row(report, "done = i").hits == 1  # after the loop
         assert sum(r.wall_s for r in report.lines) <= report.wall_s
-        assert f"steps 2–6 of {n:,} in full" in report.overview()
-    assert next(r for r in long.ops if r.name == "aten::mm").calls == 5  # steps 2 to 6
-    assert not any(r.name == "aten::ones" for r in long.ops)  # before the loop: not recorded
+        assert f"steps 1–6 (of {n:,}) of the loop on line 2" in report.overview()
+    assert calls(long, "aten::mm") == 6  # steps 1 to 6
     assert ip.user_ns["done"] == 1999
 
 
+def test_the_code_before_and_after_a_loop_is_recorded_in_full(ip):
+    report = profile_o(ip, "before = torch.ones(8, 8) @ torch.ones(8, 8)\n"
+                           "for i in range(40):\n    y = torch.ones(3) + i\n"
+                           "after = torch.zeros(4)")
+    assert calls(report, "aten::mm") == 1 and calls(report, "aten::zeros") == 1
+    assert calls(report, "aten::add") == 6  # the loop's steps 1 to 6 only
+    assert row(report, "before = torch.ones(8, 8) @ torch.ones(8, 8)").cpu_s > 0
+    assert row(report, "after = torch.zeros(4)").cpu_s > 0
+
+
+def test_each_top_level_loop_is_windowed_on_its_own_and_its_steps_said(ip):
+    report = profile_o(ip, "for p in range(7):\n    a = torch.zeros(2)\n"
+                           "for i in range(40):\n    b = torch.ones(2)")
+    assert calls(report, "aten::zeros") == calls(report, "aten::ones") == 6
+    assert report.loops == [capture.LoopSteps("1", [7]), capture.LoopSteps("3", [40])]
+    assert row(report, "b = torch.ones(2)").cpu_s > 0  # the second loop is recorded too
+    assert ("steps 1–6 (of 7) of the loop on line 1, 1–6 (of 40) of the loop on line 3"
+            in report.overview())
+    short = profile_o(ip, "for p in range(3):\n    a = torch.zeros(2)\n"
+                          "for i in range(40):\n    b = torch.ones(2)")
+    assert "all 3 of the loop on line 1, 1–6 (of 40)" in short.overview()
+
+
+def test_each_run_of_n_is_windowed_alike(ip):
+    report = profile_o(ip, LOOP.format(n=20), "-n 3")
+    assert calls(report, "aten::mm") == 3 * 6
+    assert report.loops == [capture.LoopSteps("2", [20, 20, 20])]
+    assert "steps 1–6 of each of 3 runs (of 60) of the loop on line 2" in report.overview()
+
+
+def test_a_lines_first_run_is_recorded_wherever_it_falls(ip):
+    report = profile_o(ip, "for i in range(300):\n    y = torch.ones(3) + 1\n"
+                           "    if i % 100 == 99:\n        late = torch.zeros(5)")
+    assert row(report, "late = torch.zeros(5)").hits == 3
+    assert calls(report, "aten::zeros") == 1  # its first run, at step 100
+    assert row(report, "late = torch.zeros(5)").cpu_s > 0
+    assert calls(report, "aten::add") == 6
+
+
+def test_the_profilers_own_stops_and_starts_are_charged_to_no_line(ip, monkeypatch):
+    real = torch.profiler.profiler._KinetoProfile.stop_trace
+
+    def slow_stop(self):  # a stop that reads many events
+        time.sleep(0.3)
+        real(self)
+
+    monkeypatch.setattr(torch.profiler.profiler._KinetoProfile, "stop_trace", slow_stop)
+    report = profile_o(ip, "total = 0\nfor i in range(50):\n    total += i\n"
+                           "    y = torch.ones(2)\nafter = torch.zeros(2)")
+    assert max(r.wall_s for r in report.lines) < 0.2
+    assert report.analysis.recorded_s is not None and report.analysis.recorded_s < 0.2
+
+
+def test_the_rules_set_the_recorded_steps_against_the_recorded_wall(ip):
+    report = profile_o(ip, textwrap.dedent("""\
+        import time
+        from torch.utils.data import DataLoader, Dataset
+        class Slow(Dataset):
+            def __len__(self):
+                return 200
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return i
+        total = 0
+        for batch in DataLoader(Slow(), batch_size=1):
+            total += int(batch)"""))
+    [pipe] = [a for a in report.advice if a.rule == "input pipeline"]
+    assert pipe.line == "10" and pipe.figure > 0.5
+    assert report.analysis.recorded_s < report.wall_s / 5
+
+
+def test_a_leading_blank_line_does_not_shift_the_line_numbers(ip):
+    report = profile_o(ip, "\n\ny = torch.ones(2)\nfor i in range(10):\n    z = y + i")
+    assert [(r.where, r.code) for r in report.lines][:2] == [
+        ("3", "y = torch.ones(2)"), ("4", "for i in range(10):")]
+    assert report.loops == [capture.LoopSteps("4", [10])]
+
+
+def test_the_pointer_to_more_steps_says_their_cost_and_bounds_it(ip, monkeypatch):
+    report = profile_o(ip, LOOP.format(n=200))
+    [note] = [n for n in report._line_table().notes if "--steps" in n]
+    per_step = report.events / 6
+    assert f"about {per_step:,.0f} events a step" in note
+    assert f"every step would be about {report.events + per_step * 194:,.0f} events" in note
+    assert note.endswith("--steps 0")
+    bound = int(per_step * 50)
+    monkeypatch.setattr(tables, "FULL_EVENTS", bound)
+    [note] = [n for n in report._line_table().notes if "--steps" in n]
+    assert note.endswith(f"too many, --steps {int(bound / per_step) - 1} stays within {bound:,}")
+    assert "--steps 0" not in note
+
+
 def test_steps_sets_the_bound_and_0_records_every_step(ip):
-    assert next(r for r in profile_o(ip, LOOP.format(n=50), "--steps 2").ops
-                if r.name == "aten::mm").calls == 2
+    assert calls(profile_o(ip, LOOP.format(n=50), "--steps 2"), "aten::mm") == 3
     every = profile_o(ip, LOOP.format(n=50), "--steps 0")
-    assert next(r for r in every.ops if r.name == "aten::mm").calls == 50
+    assert calls(every, "aten::mm") == 50
     assert every.full_steps == 0 and "in full" not in every.overview()
 
 
-def test_a_loop_of_one_step_is_recorded_in_full_and_a_short_one_from_its_second(ip):
-    one = profile_o(ip, LOOP.format(n=1))
-    assert next(r for r in one.ops if r.name == "aten::mm").calls == 1
-    assert any(r.name == "aten::ones" for r in one.ops)  # the code before the loop too
-    assert one.full_steps == 0 and "in full" not in str(one)
-    three = profile_o(ip, LOOP.format(n=3))
-    assert next(r for r in three.ops if r.name == "aten::mm").calls == 2
-    assert "steps 2–3 of 3 in full" in three.overview()
+def test_a_loop_within_the_bound_is_recorded_in_full(ip):
+    for n in (1, 3, 6):
+        report = profile_o(ip, LOOP.format(n=n))
+        assert calls(report, "aten::mm") == n and calls(report, "aten::ones") == 1
+        assert report.full_steps == 0 and "in full" not in str(report)
 
 
 def test_a_negative_steps_is_one_usage_error_and_runs_nothing(ip):
@@ -212,7 +309,7 @@ def test_a_loop_that_raises_after_its_recorded_steps_shows_them_and_stops_cleanl
                     "    if i == 40:\n        raise ValueError('step 40')")
     out = capsys.readouterr().out
     assert "PARTIAL: the cell raised ValueError" in out
-    assert "steps 2–6 of 41 in full" in out
+    assert "steps 1–6 (of 41) of the loop on line 1" in out
     assert not torch.autograd.profiler._is_profiler_enabled and sys.gettrace() is None
     assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works
 
@@ -227,7 +324,57 @@ def test_an_unnamed_trace_that_cannot_be_written_leaves_no_file(ip, temp_dir, mo
     def refuse(self, path, *args, **kwargs):
         raise RuntimeError("kineto refused")
 
-    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", refuse)
+    monkeypatch.setattr(torch.autograd.profiler.profile, "export_chrome_trace", refuse)
     report = profile_o(ip, "made = torch.ones(2)")
     assert report.trace_path is None and "kineto refused" in str(report)
     assert traces_in(temp_dir) == [] and "made" in ip.user_ns
+
+
+def test_the_device_busy_share_is_of_the_wall_the_events_cover():
+    """Rule 2 and the overview set the recorded device time against the recorded wall."""
+    from torch_device_magic.advice.profile_rules import Setting, advise
+    from torch_device_magic.profile.events import Event
+
+    kernel = Event("gemm", "kernel", 0, 800_000_000)  # 0.8 s busy in 1 s recorded of 10 s
+    analysis = analyse([kernel])
+    analysis.recorded_s = 1.0
+    report = ProfileReport("In[1]", 1, 10.0, None, analysis, None)
+    assert "busy 800.0 ms (80% of the recorded wall)" in report.overview()
+    assert not any(a.rule.startswith("device waits")
+                   for a in advise([kernel], analysis, {}, Setting(wall_s=10.0)))
+
+
+def test_a_cells_own_profiler_past_the_window_is_left_alone(ip, capsys):
+    ip.run_cell("%%profile\nfor i in range(20):\n    y = torch.ones(2) + i\n    if i == 15:\n"
+                "        with torch.profiler.profile() as own:\n            z = torch.zeros(3)")
+    assert "the cell's own torch.profiler ended this recording" in capsys.readouterr().out
+    assert any(e.key == "aten::zeros" for e in ip.user_ns["own"].key_averages())
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works
+
+
+def test_the_trace_holds_every_recorded_session_and_a_gz_name_is_gzipped(ip, tmp_path):
+    import gzip
+    import json
+
+    path = tmp_path / "loop.json.gz"
+    profile_o(ip, "a = torch.zeros(2)\nfor i in range(20):\n    y = torch.ones(2)\n"
+                  "b = torch.empty(2)", f"--trace {path}")
+    with gzip.open(path, "rt") as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    assert {"aten::zeros", "aten::empty"} <= set(names)  # before the loop, and after it
+    assert names.count("aten::ones") == 6
+
+
+def test_a_pause_on_cuda_waits_for_the_kernels_the_session_launched(ip, monkeypatch):
+    from fakegpu import FakeMachine, Gpu
+
+    machine = FakeMachine([Gpu()]).install(monkeypatch)
+    machine.start_cuda()
+
+    def syncs(steps: int) -> int:
+        before = len(machine.calls)
+        profile_o(ip, LOOP.format(n=steps))
+        return sum(1 for call in machine.calls[before:] if call[0] == "synchronize")
+
+    assert syncs(20) == syncs(3) + 1  # the one pause, past step 6

@@ -220,3 +220,59 @@ def utils(tmp_path, monkeypatch):
 def test_a_users_module_is_judged_by_what_is_read_from_it(utils, cell, unfollowed):
     exec(cell, utils)  # it runs
     assert [str(u) for u in reached(utils, cell).unfollowed] == unfollowed
+
+
+# --- callables given as default arguments, or bound in a partial ------------------------
+
+SCORES = """\
+import functools
+import torch
+weights = torch.ones(3); vals = torch.arange(3.0)
+def weighted(v):
+    return v * weights
+def score(v, metric=weighted):
+    return metric(v).sum()
+def score_kw(v, *, metric=weighted):
+    return metric(v).sum()
+score_lambda = lambda v, metric=lambda u: u * weights: metric(v)
+def apply(metric, v):
+    return metric(v)
+bound = functools.partial(apply, weighted)
+bound_kw = functools.partial(score, metric=weighted)
+partial_default = functools.partial(score)
+def by_partial(v, metric=functools.partial(apply, weighted)):
+    return metric(v)
+"""
+
+
+@pytest.fixture
+def scores():
+    ns = {"__name__": "__main__"}
+    exec(SCORES, ns)
+    return ns
+
+
+@pytest.mark.parametrize("cell", [
+    "s = score(vals)", "s = score_kw(vals)", "s = score_lambda(vals)",
+    "s = bound(vals)", "s = bound_kw(vals)", "s = partial_default(vals)",
+    "s = by_partial(vals)",
+])
+def test_a_callable_given_as_a_default_or_bound_in_a_partial_is_followed(scores, cell):
+    found = reached(scores, cell)
+    assert "weights" in found.names
+    assert ["weights"] in found.followed.values()
+    assert found.unfollowed == []  # the callable is no tensor: nothing is out of reach
+
+
+def test_a_tensor_given_as_a_default_is_still_out_of_reach(scores):
+    exec("def scaled(v, w=weights):\n    return v * w", scores)
+    assert [str(u) for u in reached(scores, "scaled(vals)").unfollowed] == [
+        "scaled holds w as default arguments"]
+
+
+def test_defaults_that_refer_to_each_other_are_looked_at_once(scores):
+    exec("def ping(v, other=None):\n    return v\n"
+         "def pong(v, other=ping):\n    return v * weights\n"
+         "ping.__defaults__ = (pong,)", scores)
+    found = reached(scores, "ping(vals)")
+    assert found.followed["pong"] == ["weights"] and not found.truncated

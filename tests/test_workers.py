@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu
+from test_gpu_measure import in_fresh_process
 
 from torch_device_magic import workers
 from torch_device_magic.measure import Meter
@@ -173,7 +174,7 @@ def test_torch_multiprocessing_fork_with_gloo_under_our_default_device(ip, tmp_p
     ])
     assert launch["workers"] | {"peak_bytes": None} == {
         "count": 2, "exited": 2, "uncounted": False, "peak_bytes": None, "peak_bound": False,
-        "pss_bytes": None, "device_bytes": None, "note": None}
+        "pss_bytes": None, "device_bytes": None, "note": None, "exit_codes": []}
     assert launch["workers"]["peak_bytes"] - nothing["workers"]["peak_bytes"] >= 64 * MIB
     assert ", workers 2 (exited), largest peak " in launch["line"]
     assert ip.run_cell("torch.zeros(1).device.type").result == "meta"  # the kernel keeps it
@@ -262,50 +263,60 @@ def test_without_nvml_the_workers_have_no_gpu_figure_and_no_note(monkeypatch):
 # --- the real launches on a GPU (scripts/gpu-check) ---------------------------------------------
 
 
-@pytest.mark.cuda
-def test_a_fork_launch_on_cuda_works_with_the_extension_loaded(ip):
-    """No CUDA context in the kernel before the launch, our default device dropped in
-    the children, and the cell shows each worker's GPU memory (NVML's process list)."""
-    ip.run_cell("%device cuda")
-    assert ip.run_cell("torch.cuda.is_initialized()").result is False
-    ip.run_cell(
+@pytest.mark.parametrize("device, tensor_mib", [
+    ("cpu", 64),
+    pytest.param("cuda", 256, marks=pytest.mark.cuda),
+])
+def test_a_fork_launch_works_with_the_extension_loaded(device, tensor_mib):
+    """In a new process (on a GPU, pytest's own asked `torch.cuda.is_available()`, after
+    which no forked child can use CUDA): no CUDA context before the launch, our default
+    device dropped in the children, and the cell shows both workers (on CUDA, each
+    one's GPU memory from NVML's process list)."""
+    ran = in_fresh_process([
+        f"%device {device}",
+        "extra = [torch.cuda.is_initialized()]",
         "import torch.multiprocessing as tmp\n"
         "ready = tmp.get_context('fork').Barrier(3)\n"
         "def train(rank, ready):\n"
         "    from torch_device_magic.probes import torch_default_device\n"
         "    assert torch_default_device() is None\n"
-        "    t = torch.ones(2**26, device=f'cuda:{rank % torch.cuda.device_count()}')\n"
-        "    ready.wait()  # 256 MiB each, held until the parent's cell has ended\n"
-        "    ready.wait()\n"
+        f"    where = {device!r}\n"
+        "    if where == 'cuda':  # a GPU each, where there are several\n"
+        "        where = f'cuda:{rank % torch.cuda.device_count()}'\n"
+        f"    t = torch.ones({tensor_mib} * 2**18, device=where)\n"
+        "    ready.wait(timeout=120)  # held until the parent's cell has ended\n"
+        "    ready.wait(timeout=120)\n"
         "procs = tmp.start_processes(train, args=(ready,), nprocs=2, start_method='fork', "
         "join=False)\n"
-        "ready.wait()"
-    )
-    (cell,) = records(ip, 1)
-    ip.run_cell("ready.wait()\nwhile not procs.join(): pass")
-    assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 0)
-    if cell["workers"]["note"] is None:  # outside a container NVML names them
-        assert cell["workers"]["device_bytes"] >= 2 * 256 * MIB
-        assert ", GPU " in cell["line"]
-    assert ip.run_cell("torch.cuda.is_initialized()").result is False
+        "ready.wait(timeout=120)",
+        "ready.wait(timeout=120)\nwhile not procs.join(): pass",
+        "extra += [torch.cuda.is_initialized()]",
+    ])
+    launch = ran["records"][-3]  # then the join, and the last look
+    assert ran["extra"] == [False, False]
+    assert (launch["workers"]["count"], launch["workers"]["exited"]) == (2, 0), launch["summary"]
+    if device == "cpu":
+        assert launch["workers"]["peak_bytes"] >= tensor_mib * MIB
+    elif launch["workers"]["note"] is None:  # outside a container NVML names them
+        assert launch["workers"]["device_bytes"] >= 2 * tensor_mib * MIB
+        assert ", GPU " in launch["summary"]
 
 
 @pytest.mark.cuda
-def test_accelerate_notebook_launcher_works_with_the_extension_loaded(ip):
+def test_accelerate_notebook_launcher_works_with_the_extension_loaded():
     pytest.importorskip("accelerate", reason="accelerate is not installed")
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("notebook_launcher starts processes only for two GPUs or more")
-    ip.run_cell("%device cuda")
-    ip.run_cell(
+    cell = in_fresh_process([
+        "%device cuda",
         "from accelerate import notebook_launcher\n"
         "def train():\n"
         "    from accelerate import Accelerator\n"
         "    t = torch.ones(2**26, device=Accelerator().device)\n"
-        "notebook_launcher(train, num_processes=2)"
-    )
-    (cell,) = records(ip, 1)
+        "notebook_launcher(train, num_processes=2)",
+    ])["records"][-1]
     assert (cell["workers"]["count"], cell["workers"]["exited"]) == (2, 2)
     assert cell["workers"]["peak_bytes"] is not None
 
@@ -336,6 +347,31 @@ def test_a_finished_unjoined_process_is_a_worker_of_the_cell_it_exited_in_only(i
     for cell in (later, again, joined):
         assert "workers" not in cell["line"]
         assert cell["workers"] is None
+
+
+def test_workers_that_died_while_the_cell_waited_say_their_exit_codes(ip):
+    """Children that died while the cell waited on them (a launch whose workers failed,
+    its parent blocked on a barrier): the line gives their exit codes; a clean exit
+    (code 0) keeps the line as it was."""
+    ip.run_cell(
+        ZOMBIE + "import os, signal\n"
+        "def child(code):  # exits at once with `code`; a negative one: killed by that signal\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.kill(os.getpid(), -code) if code < 0 else os._exit(code)\n"
+        "    return pid\n"
+        "def wait_dead(*pids):  # exited, not reaped: as a parent blocked elsewhere leaves them\n"
+        "    while any(state(p) != 'Z' for p in pids):\n"
+        "        time.sleep(0.01)\n"
+    )
+    ip.run_cell("died = child(1), child(-signal.SIGKILL); wait_dead(*died)")
+    ip.run_cell("[os.waitpid(p, 0) for p in died]; fine = child(0); wait_dead(fine)")
+    ip.run_cell("os.waitpid(fine, 0)")
+    died, fine, _ = records(ip, 3)
+    assert ", workers 2 (exited: codes 1, -9), largest peak " in died["line"]
+    assert died["workers"]["exit_codes"] == (1, -9)
+    assert ", workers 1 (exited), largest peak " in fine["line"]
+    assert fine["workers"]["exit_codes"] == (0,)
 
 
 def test_a_reused_pid_is_a_new_process(ip):

@@ -188,6 +188,16 @@ def cell_names(source: str) -> set[str]:
     return top | _global_reads(table, inner, top=True)
 
 
+def names_bound(source: str) -> set[str]:
+    """The global names `source`'s top level binds (assigns, imports, defines, deletes);
+    none where it does not parse."""
+    try:
+        table = symtable.symtable(source, "<cell>", "exec")
+    except (SyntaxError, ValueError):
+        return set()
+    return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+
+
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 

@@ -270,6 +270,17 @@ def cuda_other_processes(index: int) -> tuple[tuple[int, int], ...]:
     return other_processes(processes.get(_bare(uuids[index]), {}))
 
 
+def accelerators_in_use() -> list[probes.Accelerator]:
+    """Every accelerator device whose runtime is already up and, for CUDA, that has a
+    context (asking starts none, and a GPU never used is not touched)."""
+    found = []
+    for kind in probes.built_kinds():  # a registered PrivateUse1 backend too
+        if probes.runtime_up(kind):
+            count = 1 if kind == "mps" else getattr(torch, kind).device_count()
+            found += [probes.active_accelerator(torch.device(kind, i)) for i in range(count)]
+    return [a for a in found if a is not None and a.has_context()]
+
+
 def _order_known(listed: list[NvmlDevice], visible: str | None) -> bool:
     """Whether NVML's PCI order is CUDA's too, before a context can tell: CUDA counts
     fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, which is the same order only

@@ -17,19 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .probes import (
-    Accelerator,
-    Counters,
-    active_accelerator,
-    built_kinds,
-    empty_cache,
-    guarded,
-    runtime_up,
-)
+from .devices import accelerators_in_use
+from .probes import Counters, empty_cache, guarded
 from .units import fmt_bytes, plural
 
-if TYPE_CHECKING:  # holders reads the accelerators from here
-    from .holders import Holder
+if TYPE_CHECKING:
+    from .advice.holders import Holder
 
 
 @dataclass
@@ -90,13 +83,3 @@ def free_memory(let_go: Callable[[], list[Holder]] = list) -> FreeReport:
     after = {a.name: a.counters() for a in accelerators}
     return FreeReport(collected, before, after, found)
 
-
-def accelerators_in_use() -> list[Accelerator]:
-    """Every accelerator device whose runtime is already up and, for CUDA, that has a
-    context (asking starts none, and a GPU never used is not touched)."""
-    found = []
-    for kind in built_kinds():  # a registered PrivateUse1 backend too
-        if runtime_up(kind):
-            count = 1 if kind == "mps" else getattr(torch, kind).device_count()
-            found += [active_accelerator(torch.device(kind, i)) for i in range(count)]
-    return [a for a in found if a is not None and a.has_context()]

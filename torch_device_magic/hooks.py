@@ -27,7 +27,7 @@ end-of-cell synchronisation (a CUDA error from the cell's own kernels, which run
 asynchronously) is kept in the record and always shown, whatever the
 thresholds; Ctrl-C there is one line, not IPython's "Error in callback" traceback.
 
-After a cell that raised, the hint (`hints.py`, handed in by the magics while
+After a cell that raised, the hint (`advice/hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
 fault while making it prints nothing, and leaves a debug record on this module's
 logger (as does every fault caught here). With the report off and hints on, only
@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from IPython.core.displaypub import DisplayPublisher
 
-from .cells import first_code_line, only_comments
+from .cells import first_code_line, names_bound, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
@@ -94,7 +94,7 @@ class CellReporter:
         self.cuda_start: CudaStart | None = None  # noted after the first cell that starts it
         self._watch_cuda = False  # ask after each cell: a CUDA build, and CUDA not up yet
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
-        # The notes under the line (advice.py's `Advisor.notes`), None: no notes.
+        # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
 
     @property
@@ -197,7 +197,9 @@ class CellReporter:
         if len(self._open) == 1:
             self._profiled = True
 
-    def plain_run(self, source: str) -> tuple[float | None, str | None]:
+    def plain_run(
+        self, source: str, reads: Collection[str] = ()
+    ) -> tuple[float | None, str | None]:
         """The wall time of the last warm plain run of `source`'s code, and which cell that
         was ('In[4]'); (None, why not) where the only run known is the code's first (no
         earlier cell ran it, plainly or under a cell magic), which pays one-time costs;
@@ -206,7 +208,9 @@ class CellReporter:
         Found only when asked (by %%profile), from the history's cell numbers and the
         shell's raw inputs, comparing code without blank lines and trailing whitespace
         (IPython blanks a cell magic's whitespace-only lines). A cell run under a magic
-        (%%profile, %%gpumem) has other text, so it is never taken."""
+        (%%profile, %%gpumem) has other text, so it is never taken. A run is not compared
+        with where a later cell bound one of the names the code `reads` again: its inputs
+        may have other shapes or devices."""
         inputs = getattr(getattr(self._shell, "history_manager", None), "input_hist_raw", None)
         if not inputs:
             return None, None
@@ -217,13 +221,31 @@ class CellReporter:
             if n is None or not 0 < n < len(inputs) or _code(inputs[n]) != code:
                 continue
             if any(_ran(earlier, code) for earlier in inputs[1:n]):
+                later = self._shell.execution_count  # this cell's: not one after the run
+                for k in range(n + 1, min(later, len(inputs))):
+                    bound = sorted(self._bound(inputs[k], reads))
+                    if bound and not _ran(inputs[k], code):  # this code again: as the run
+                        return None, (
+                            f"no plain run to compare with: In[{k}] bound {bound[0]} again "
+                            f"after In[{n}] ran this code, so its inputs may differ (run the "
+                            "cell again without %%profile)")
                 return record.wall_s, f"In[{n}]"
             cold = cold or n
         if cold is None:
             return None, None
         return None, (f"no plain run to compare with: In[{cold}] was this code's first run, "
                       "with one-time costs (run the cell again without %%profile, or "
-                      "--warmup 1)")
+                      "--warmup 1, which runs it once more first: a training cell trains "
+                      "once more)")
+
+    def _bound(self, source: str, names: Collection[str]) -> set[str]:
+        """Which of `names` a cell's code binds again (a cell magic's body too), or moves
+        (`%device ... --move` moves them all)."""
+        if any(line.startswith("%device") and "--move" in line for line in source.splitlines()):
+            return set(names)
+        if source.startswith("%%"):
+            source = source.partition("\n")[2]
+        return names_bound(self._shell.transform_cell(source)) & set(names)
 
     def pre_run_cell(self, info: object) -> None:
         self._loading = None  # a cell of its own: we were loaded outside a cell

@@ -16,11 +16,12 @@ import html
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .probes import (
+    PAGE_BYTES,
     Accelerator,
     Counters,
     HostProbe,
@@ -36,9 +37,6 @@ from .probes import (
 )
 from .units import fmt_bytes, fmt_seconds
 from .workers import NONE, CellWorkers, ChildWatch, Workers, with_device_memory
-
-if TYPE_CHECKING:
-    from .advice import Note
 
 
 @dataclass(slots=True)
@@ -60,9 +58,11 @@ class Measurement:
     # The cell's child processes (workers.py); None: none seen (or not looked for).
     workers: CellWorkers | None = None
     # The share of the cell in which a kernel ran on its CUDA device, in percent (NVML's
-    # samples; advice.py reads it for cells of 0.5 s and more); None where not read.
+    # samples; the report's notes read it for cells of 0.5 s and more); None where not read.
     gpu_busy: float | None = None
-    notes: tuple[Note, ...] = ()  # what to act on (advice.py); () for an ordinary cell
+    # What to act on, each shown by str(): the report asks advice.notes, passing this
+    # record, and keeps its answer here; () for an ordinary cell.
+    notes: tuple[object, ...] = ()
 
     @staticmethod
     def field_names() -> list[str]:
@@ -82,6 +82,15 @@ class Measurement:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def device_top_bytes(self) -> int | None:
+        """The device's allocated bytes at the cell's peak: what it held at the start plus
+        the peak over that (the near-capacity note's and %%profile's figure)."""
+        if None in (self.device_peak_bytes, self.device_allocated_bytes,
+                    self.device_delta_bytes):
+            return None
+        return (self.device_allocated_bytes - self.device_delta_bytes  # type: ignore[operator]
+                + self.device_peak_bytes)
 
     def largest_bytes(self) -> int:
         """The biggest memory figure of the cell (peaks, and changes either way)."""
@@ -146,7 +155,7 @@ def _sub(a: int | None, b: int | None) -> int | None:
 
 
 _NOTHING = Counters(0, 0, 0, 0)  # a device without a context has allocated nothing
-_NONE: dict[str, Any] = {}  # no device watched (never written to)
+_NONE: dict[str, Any] = {}  # no device timed (never written to)
 
 
 def _changed(before: Counters, after: Counters) -> bool:
@@ -235,7 +244,9 @@ class Meter:
         self._kinds = built_kinds()
         self._device: str | torch.device | None = None
         self._before: dict[str, Counters] = {}
-        self._events: dict[str, Any] = {}
+        self._starts: list[tuple[Accelerator, Any]] = []  # each device timed, its start event
+        # The last stop's device, devices and readings: the next start's, if it is the same.
+        self._carried: tuple[Any, list[Accelerator], dict[str, Counters]] | None = None
         self._t0 = clock()
         read = malloc_free_reader() if host is None else None
         self._heap = None if read is None else FreeHeap(read)
@@ -246,20 +257,28 @@ class Meter:
         """Begin measuring; `device` picks the accelerator (default: the session's)."""
         self._device = device
         # Every cell starts here: with no accelerator up, nothing but the host is read.
-        main = active_accelerator(device, self._kinds)
-        if main is None:
-            self._before = self._events = _NONE
+        carried, self._carried = self._carried, None
+        if carried is not None and carried[0] == device:
+            # Between two cells nothing but another thread can have allocated or changed
+            # the device: the last stop's reading is this start's, its peak window
+            # restarted there (one reading of the allocator per boundary).
+            _, watched, self._before = carried
         else:
-            watched = devices_in_use(main)
+            main = active_accelerator(device, self._kinds)
+            watched = [] if main is None else devices_in_use(main)
             self._before = {a.name: a.counters() for a in watched}
             for accel in watched:
                 accel.start_peak()
-            self._events = {a.name: a.record_event() for a in watched if a.has_context()}
         self.children.start()
         if self._heap is not None and self._heap.free_bytes is None:
             self._heap.start()
         self.host.start()
+        # The device's window lies inside the wall clock's by construction: its start
+        # events are recorded after the clock starts, and its end events before the
+        # clock stops (after the synchronise that waits for them).
         self._t0 = clock()
+        # Without the synchronise no end event is done at the stop: none is recorded.
+        self._starts = [(a, a.record_event()) for a in watched if self.sync and a.has_context()]
 
     def stop(self) -> Measurement:
         """End measuring: synchronise what the cell used (if `sync`), read every counter.
@@ -267,6 +286,10 @@ class Meter:
         An error the synchronise raised (a sticky CUDA error from the cell's kernels)
         is kept in `device_error`, never dropped.
         """
+        # The end events first, before anything of ours queues behind the cell; without
+        # the synchronise they would not be done, so there is no device time.
+        ends = {a.name: (start, a.record_event()) for a, start in self._starts
+                if start is not None} if self.sync else _NONE
         main = active_accelerator(self._device, self._kinds)
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
@@ -274,9 +297,8 @@ class Meter:
             host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
             return self._workers(Measurement(wall_s, None, None, None, None, host_delta, host_peak))
         watched = devices_in_use(main)
-        ends, error = {}, None
-        if self.sync:  # without it the end events are not done, so there is no device time
-            ends = {a.name: a.record_event() for a in watched if self._events.get(a.name)}
+        error = None
+        if self.sync:  # the cell's queued work is part of its time
             for accel in watched:  # a device with a context: waiting on it creates none
                 if accel.has_context():
                     error = accel.synchronize() or error
@@ -291,9 +313,13 @@ class Meter:
         old, new = before[shown.name], after[shown.name]
         sampled = shown.sampled_peak_bytes()
         peak = _sub(new.peak_bytes, old.allocated_bytes) if sampled is None else sampled
+        if all(a.kind != "mps" for a in watched):  # MPS's peak is sampled from a start
+            for accel in watched:
+                accel.start_peak()
+            self._carried = (self._device, watched, after)
         return self._workers(Measurement(
             wall_s,
-            device_s=Accelerator.elapsed_s(self._events.get(shown.name), ends.get(shown.name)),
+            device_s=Accelerator.elapsed_s(*ends.get(shown.name, (None, None))),
             device_delta_bytes=_sub(new.allocated_bytes, old.allocated_bytes),
             device_peak_bytes=None if peak is None else max(0, peak),
             device_reserved_delta_bytes=_sub(new.reserved_bytes, old.reserved_bytes),
@@ -337,6 +363,8 @@ class Meter:
         if cpu is not None and before is not None and before[0] == thread:
             busy_s = cpu - before[1]
         delta -= self._heap.correction(delta, busy_s)
+        if abs(delta) < PAGE_BYTES:  # RSS moves by pages: less than one was not measured
+            delta = 0
         return delta, None if peak is None else max(peak, delta)
 
     def close(self) -> None:

@@ -11,7 +11,9 @@ from the names, transitively:
 
 - a function, lambda, `functools.partial` or decorated function the notebook
   defines, named by the cell or by code already followed: its code's global
-  loads and stores (`dis`), nested functions and comprehensions included;
+  loads and stores (`dis`), nested functions and comprehensions included; and
+  what it may call without naming it: the callables in its closure, its default
+  arguments (`def score(v, metric=weighted)`), a partial's function and arguments;
 - a method of the notebook's classes only where the code followed names it
   (`trainer.fit()` names `fit`; so does `self.fit` in a method followed), and
   the dunder methods, which Python calls from syntax (`ds[i]`, `len(ds)`);
@@ -190,6 +192,8 @@ class _Reacher:
             held += [f"{k}=" for k, v in obj.keywords.items() if self.holds(v)]
             if held:
                 self.found.unfollowed.append(Unfollowed(label, tuple(held), "<partial>"))
+            for value in itertools.chain(obj.args, obj.keywords.values()):
+                self.push(value, label)  # the function is called with them: `metric=weighted`
         elif isinstance(obj, types.ModuleType):
             self._module(obj, label)
         elif isinstance(obj, type):  # named: it may be called, which runs its constructors
@@ -259,6 +263,8 @@ class _Reacher:
         held = tuple(k for k, v in defaults.items() if self.holds(v))
         if held:
             self.found.unfollowed.append(Unfollowed(label, held, "<defaults>"))
+        for value in defaults.values():
+            self.push(value, label)  # a callable default runs where it is left out
 
     def _module(self, module: types.ModuleType, label: str) -> None:
         """A module of the user's own: what the code followed reads from it."""

@@ -64,6 +64,7 @@ class Worker:
     pss_bytes: int | None = None  # at the end of the cell; None: exited, or not readable
     device_bytes: int | None = None  # GPU memory NVML lists for it; None: none listed
     exited: bool = False
+    exit_code: int | None = None  # exited: as Popen's returncode (-9: SIGKILL); None: not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,7 @@ class Workers:
         return CellWorkers(
             self.count, self.exited, self.uncounted, self.peak_bytes, self.peak_bound,
             self.pss_bytes, self.device_bytes, self.device_note,
+            tuple(w.exit_code for w in self.processes if w.exit_code is not None),
         )
 
 
@@ -130,15 +132,17 @@ class CellWorkers:
     pss_bytes: int | None = None  # total PSS of those alive at the end
     device_bytes: int | None = None  # their GPU memory at the end (NVML)
     note: str | None = None  # why a worker figure could not be read
+    exit_codes: tuple[int, ...] = ()  # of the exited ones, those known (a zombie's, read)
 
     def summary(self) -> str:
         """'2 (exited), largest peak 412.0 MiB', '3 (1 exited), largest peak ≤ 1.0 GiB, PSS
-        80.0 MiB'."""
+        80.0 MiB', '2 (exited: codes 1, -9), largest peak 1.2 GiB'."""
         state = (
             "" if not self.exited
-            else " (exited)" if self.exited >= self.count
-            else f" ({self.exited} exited)"
+            else " (exited" if self.exited >= self.count
+            else f" ({self.exited} exited"
         )
+        state += f"{self._codes()})" if state else ""
         bound = "≤ " if self.peak_bound else ""
         text = (
             f"{self.count}{'+' if self.uncounted else ''}{state}, "
@@ -149,6 +153,14 @@ class CellWorkers:
         if self.device_bytes is not None:
             text += f", GPU {fmt_bytes(self.device_bytes)}"
         return text if self.note is None else f"{text} ({self.note})"
+
+    def _codes(self) -> str:
+        """': codes 1, -9' where a known exit code is not 0 (an unknown one reads '?'): a
+        worker that died says so, where a cell waiting on it would say nothing."""
+        if not any(self.exit_codes):
+            return ""
+        shown = [*map(str, self.exit_codes), *["?"] * (self.exited - len(self.exit_codes))]
+        return f": code{'s' if len(shown) > 1 else ''} {', '.join(shown)}"
 
 
 NONE = Workers()
@@ -207,6 +219,10 @@ class _Proc:
 
     def pss(self) -> int | None:
         return _kib(self.read("smaps_rollup", 8192), b"\nPss:")
+
+    def exit_code(self) -> int:
+        """A zombie's exit code, as Popen's returncode (stat's field 52, Linux 3.5 on)."""
+        return os.waitstatus_to_exitcode(int(_stat_fields(self.read("stat"))[49]))
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -291,7 +307,7 @@ class ChildWatch:
                 proc.new = False
                 proc.ticks = _or_none(proc.cpu_ticks)
                 _or_none(proc.reset_peak)
-            self._live, self._zombies, self._forked = live, zombies, set()
+            self._live, self._zombies, self._forked = live, set(zombies), set()
         except Exception:
             _log.debug("reading the children at the start failed", exc_info=True)
         self._usage = _guarded_usage()
@@ -319,18 +335,19 @@ class ChildWatch:
             self._live, self._roots, self._forked, self._zombies = {}, set(), set(), set()
             return NONE
 
-    def _look(self, listed: set[int]) -> tuple[dict[int, _Proc], set[Key]]:
+    def _look(self, listed: set[int]) -> tuple[dict[int, _Proc], dict[Key, int | None]]:
         """The live descendants by pid (each with its peak read), and the zombies among
-        them (closed): from `listed` (this thread's children) and those known."""
+        them (closed) with their exit codes: from `listed` (this thread's children) and
+        those known."""
         known = {pid for pid, _ in self._forked | self._zombies}
         helpers = _mp_helpers()
         found = self._tree((listed | self._roots | known | _mp_pids()) - helpers, helpers)
-        zombies = set()
+        zombies: dict[Key, int | None] = {}
         for pid, proc in list(found.items()):
             status = _or_none(proc.status)  # None: gone since
             if status is None or not status[0]:
                 if status is not None:
-                    zombies.add(proc.key)
+                    zombies[proc.key] = _or_none(proc.exit_code)
                 proc.close()
                 del found[pid]
             else:
@@ -351,12 +368,13 @@ class ChildWatch:
             if not new and start_ticks is not None and start_ticks == _or_none(proc.cpu_ticks):
                 continue  # alive all through the cell, and idle in it: not its worker
             workers.append(Worker(proc.pid, proc.peak, _or_none(proc.pss)))
-        known = {p.key for p in live.values()} | zombies
+        known = {p.key for p in live.values()} | zombies.keys()
         reaped_here = old - known  # ours, gone during the cell: exited and reaped
-        exited = reaped_here | (zombies - self._zombies)  # an earlier cell's zombie is not
-        earlier = bool(self._zombies - zombies)  # an earlier cell's zombie was reaped
-        self._live, self._zombies, self._forked = live, zombies, set()
-        workers += [Worker(pid, None, exited=True) for pid, _ in sorted(exited)]
+        exited = reaped_here | (zombies.keys() - self._zombies)  # an earlier cell's zombie is not
+        earlier = bool(self._zombies - zombies.keys())  # an earlier cell's zombie was reaped
+        self._live, self._zombies, self._forked = live, set(zombies), set()
+        workers += [Worker(key[0], None, exited=True, exit_code=zombies.get(key))
+                    for key in sorted(exited)]
         # The reaped figures moved: a child was reaped during the cell. Only an earlier
         # cell's zombie reaped, and none of the cell's own: none of it is the cell's.
         reaped = usage[1:] != before[1:] and bool(reaped_here or not earlier)

@@ -1,12 +1,11 @@
 """`%%profile`'s engine, one module per concern.
 
-Each module imports only those listed above it (`advice` reads `events`' types for
-checking only):
+Each module imports only those listed above it, and the rules of its advice
+(`advice.profile_rules`, which reads `events`' types for checking only):
 
 - `traces`: the session's unnamed trace files;
 - `memtimeline`: `--memory`'s timeline of a cell's allocations (IPython-free);
 - `events`: kineto's events as plain `Event` records, and their `analyse`;
-- `advice`: the advice's rules, thresholds and texts;
 - `tables`: `ProfileReport`, what `%%profile` shows, as text and HTML;
 - `capture`: one `%%profile` (`Capture`, its `Options`), the line tracer, the profiler's
   start and stop, Ctrl-C held while they run.

@@ -23,11 +23,14 @@ are in the trace too, named by their line. A traced line costs a few µs
 (`bench/bench_profile.py` measures it); frames of other code pay one call of
 the tracer each.
 
-A long loop. Where the cell has a loop at its top level, the tracer steps the
-profiler's schedule as each of its steps begins: the profiler records steps 2 to 6
-(`--steps`) and then nothing, while the tracer times every line of every step itself;
-so the capture (kineto's record, the events read, the trace) is bounded whatever the
-number of steps, and the lines' hits and wall still cover them all.
+A long loop. Where the cell has loops at its top level, the tracer counts each
+loop's steps, each time it is entered, and pauses the profiler (its session stopped
+and kept) as a loop's 7th step begins (`--steps`), resuming it (a new session) where
+the code outside the loop runs, and for a line's first run wherever it falls; it
+times every line of every step itself. So the capture (kineto's record, the events
+read, the trace) is bounded whatever the number of steps, the code outside the loops
+is recorded in full, and the lines' hits and wall still cover every step. The report
+reads every session on one clock; the pauses and resumes are charged to no line.
 
 Figures are read from kineto's own events (`kineto_results.events()`), not
 from torch's `key_averages()`, which builds a Python object per event; the raw
@@ -35,9 +38,12 @@ profiler stays available for that (`-o`). Nothing here keeps a user's tensor:
 the events hold shapes and names only.
 
 The profiler records CUDA only where CUDA was already up when recording began
-(a warm-up that starts it counts), so a cell that never touched CUDA never
-starts it; where CUDA ran but no device event came (CUPTI missing or refused),
-the overview says so and the device columns are left out, never zeros.
+(a warm-up that starts it counts), so a cell that never touched CUDA starts no
+context. torch's profiler initialises the CUDA driver as it starts, whatever it
+records, and no forked child can use CUDA after that: on a GPU where CUDA was
+not up, the profile says so. Where CUDA ran but no device event came (CUPTI
+missing or refused), the overview says so and the device columns are left out,
+never zeros.
 kineto writes `profiler_start` / `profiler_stop` lines to the process's stderr:
 descriptor 2 is caught only while we call torch to start and to stop, those
 lines dropped and whatever else was written there passed on. The cell runs with
@@ -56,10 +62,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gzip
 import json
 import linecache
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -74,13 +82,14 @@ from typing import Any
 
 import torch
 
+from ..advice import compiles
+from ..advice.profile_rules import Advice, advise, data_parallel, read_setting
 from ..errors import DeviceMagicError, first_sentence
 from ..measure import Measurement, Meter
-from ..probes import clock, runtime_up
+from ..probes import clock, cuda_built, nvml_gpu_count, runtime_up
 from ..units import plural
-from .advice import Advice, advise, compiles, data_parallel, read_setting
 from .events import LINE_PREFIX, Analysis, Event, LineRow, analyse, from_kineto
-from .tables import ProfileReport
+from .tables import LoopSteps, ProfileReport
 from .traces import TraceFiles
 
 SORTS = ("self", "total", "device", "memory")
@@ -130,17 +139,21 @@ class LineTracer:
     """Opens a profiler range per executed line of the watched code (see the module's
     docstring); `names` maps each range's name to the line's (where, code).
 
-    With `loops` (`outer_loops` of the cell) and `full_steps`, it also counts the steps
-    of the cell's outer loop (an iteration begins where a line of its body follows its
-    header) and calls `on_step` as each of the first `full_steps + 1` steps ends (the
-    profiler's schedule: see `_profiler`), opening no range after them; so that the
-    lines keep their figures over every step, it times each line itself too (`hits`,
-    `wall_ns`: the time each was the innermost line)."""
+    With `loops` (`outer_loops` of the cell) and a `window`, it also counts the steps of
+    each of the cell's outer loops (an iteration begins where a line of its body follows
+    its header), each time the loop is entered (`loop_steps`), and keeps the profiler
+    recording only where the steps are: it `window.pause()`s the recording as the
+    `full_steps + 2`-th step of a loop begins, records a line's first run wherever it
+    falls (from its start to the start of the next line of its frame or an outer one),
+    and `window.resume()`s where the code outside the loop's steps runs. The profiler's
+    own pauses and resumes are charged to no line (`switch_ns`). So that the lines keep
+    their figures over every step, it times each line itself too (`hits`, `wall_ns`:
+    the time each was the innermost line)."""
 
     def __init__(
         self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = (),
         loops: dict[int, range] | None = None, full_steps: int = 0,
-        on_step: Callable[[], Any] | None = None,
+        window: _Recording | None = None, first_line: int = 1,
     ) -> None:
         self.cell_file = cell_file
         self.cell_label = cell_label
@@ -154,25 +167,39 @@ class LineTracer:
         self._previous_threads: Any = None
         self._started: list[int] = []  # one entry per thread started while tracing
         self._range = _range_type()
+        self.shift = first_line - 1  # the cell's leading blank lines, which IPython drops
         self.loops = loops or {}
         self.full_steps = full_steps
-        self.steps = 0  # steps of the outer loop begun
+        self.loop_steps: dict[int, list[int]] = {}  # a loop's header -> steps, each entry
         self.hits: Counter[str] = Counter()
         self.wall_ns: Counter[str] = Counter()
-        self._on_step = on_step if full_steps else None
-        self._recording = True  # ranges are opened
+        self._window = window if full_steps else None
+        self._recording = True  # the profiler records, and ranges are opened
+        self._past = False  # in a loop's steps past the window
+        self._first: int | None = None  # the depth of a line's first run being recorded
+        self.switch_ns = 0  # the profiler's own pauses and resumes
+        self.paused_ns = 0  # the time it did not record
+        self._paused_at = 0
+        self.left_out = False  # the profiler was paused at least once
         self._innermost: list[str | None] = []  # per traced frame, its line running
         self._since = 0
         self._header: int | None = None
+        self._loop: int | None = None  # the outer loop whose steps run
 
     @property
     def windowed(self) -> bool:
-        """Whether a second step began: the profiler then recorded from there."""
-        return bool(self.full_steps) and self.steps > 1
+        """Whether steps were left out of the recording."""
+        return self.left_out and any(
+            n > self.full_steps + 1 for steps in self.loop_steps.values() for n in steps)
+
+    def loops_run(self) -> list[LoopSteps]:
+        """Each outer loop that ran: its header's line and its steps, each time entered."""
+        return [LoopSteps(str(line + self.shift), steps)
+                for line, steps in sorted(self.loop_steps.items())]
 
     def rows(self, recorded: list[LineRow]) -> list[LineRow]:
         """The line rows over every step: hits and wall from this tracer, the rest from
-        the `recorded` rows (of the steps recorded in full)."""
+        the `recorded` rows (of what the profiler recorded)."""
         by_where = {(r.where, r.code): r for r in recorded}
         out = []
         for name, (where, code) in self.names.items():
@@ -194,34 +221,59 @@ class LineTracer:
         self._since = now
 
     def _count(self, lineno: int) -> None:
-        """A line of the cell's top level ran: a step begins where its outer loop's body
-        follows the loop's header."""
+        """A line of the cell's top level ran: a step begins where an outer loop's body
+        follows the loop's header; a header past the window leaves the steps unrecorded
+        from there, and a line outside the loop's steps ends them."""
         if lineno in self.loops:
+            if self._loop != lineno:  # entered (again)
+                self._loop, self._past = lineno, False
+                self.loop_steps.setdefault(lineno, []).append(0)
+            elif self.loop_steps[lineno][-1] > self.full_steps:
+                self._past = True
             self._header = lineno
             return
         header, self._header = self._header, None
-        if header is None or lineno not in self.loops[header]:
+        if self._loop is not None and lineno in self.loops[self._loop]:
+            if header == self._loop:
+                self.loop_steps[header][-1] += 1
             return
-        self.steps += 1
-        if self._on_step is not None and self.steps > 1:
-            try:
-                with warnings.catch_warnings():  # "Profiler clears events…": as we meant
-                    warnings.simplefilter("ignore")
-                    self._on_step()
-            except Exception:  # ours: the cell runs on
-                _log.debug("the profiler's step failed", exc_info=True)
-                self._on_step = None
-                return
-            if self.steps > self.full_steps + 1:
-                self._on_step = None
-                self._recording = False
+        self._loop, self._past = None, False
+
+    def _switch(self, depth: int, first: bool) -> None:
+        """Pause or resume the profiler where the line starting at `depth` asks for it."""
+        if first and self._past:
+            if self._first is None or depth <= self._first:
+                self._first = depth
+        elif self._first is not None and depth <= self._first:
+            self._first = None
+        record = not self._past or self._first is not None
+        if record == self._recording or self._window is None:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            with warnings.catch_warnings():  # "Profiler clears events…": as we meant
+                warnings.simplefilter("ignore")
+                (self._window.resume if record else self._window.pause)()
+        except Exception:  # ours: the cell runs on, recorded as far as it was
+            _log.debug("the profiler's pause or resume failed", exc_info=True)
+            self._window = None
+            return
+        finally:
+            now = time.perf_counter_ns()
+            self.switch_ns += now - t0
+            self._since = now  # the switch is no line's
+        self._recording = record
+        if record:
+            self.paused_ns += t0 - self._paused_at
+        else:
+            self._paused_at, self.left_out = now, True
 
     def _name(self, code: CodeType, lineno: int) -> str:
         key = (code.co_filename, lineno)
         name = self._keys.get(key)
         if name is None:
             if code.co_filename == self.cell_file:
-                where = str(lineno)
+                where = str(lineno + self.shift)
             else:
                 where = f"{self.codes.get(code, code.co_name)} {lineno}"
             text = linecache.getline(code.co_filename, lineno).strip()
@@ -237,6 +289,8 @@ class LineTracer:
         opened: list[Any] = []
         enter, name_of, innermost, hits = self._range, self._name, self._innermost, self.hits
         top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
+        if top:
+            self._loop, self._past = None, False  # a run of the cell begins
         self._charge()
         innermost.append(None)
 
@@ -245,11 +299,15 @@ class LineTracer:
                 name = name_of(frame.f_code, frame.f_lineno)
                 self._charge()
                 innermost[-1] = name
-                hits[name] += 1
+                ran = hits[name]
+                hits[name] = ran + 1
                 if opened:
                     opened.pop().__exit__(None, None, None)
                 if top:
                     self._count(frame.f_lineno)
+                if self._window is not None and (  # a switch is due, or may be
+                        not ran or self._first is not None or self._past == self._recording):
+                    self._switch(len(innermost), not ran)
                 if self._recording:
                     span = enter(name)
                     span.__enter__()
@@ -271,6 +329,9 @@ class LineTracer:
         threading.settrace(self._thread)
 
     def stop(self) -> None:
+        if not self._recording:  # paused to the end
+            self.paused_ns += time.perf_counter_ns() - self._paused_at
+            self._recording = True
         sys.settrace(self._previous)
         threading.settrace(self._previous_threads)
         self._previous = self._previous_threads = None
@@ -418,7 +479,7 @@ class Capture:
     traces: TraceFiles = field(default_factory=TraceFiles)  # where an unnamed trace goes
     namespace: Mapping[str, Any] = field(default_factory=dict)  # the user's, for the advice
     reads: Collection[str] = ()  # the namespace's names the cell and the code it calls read
-    _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles()
+    _compiled: list[Any] = field(default_factory=list, init=False, repr=False)  # compiles.records()
 
     def __call__(
         self, show_partial: Callable[[ProfileReport], None]
@@ -438,26 +499,23 @@ class Capture:
                     self.plain_wall_s, self.plain_from = clock() - t0, "the last warm-up"
                 else:  # maybe the code's first run, whose one-time costs would mislead
                     self.plain_from = ("no plain run to compare with: the one warm-up may have "
-                                       "been this code's first run (--warmup 2 compares)")
+                                       "been this code's first run (--warmup 2 compares, "
+                                       "running the cell twice more: side effects too)")
         cuda = runtime_up("cuda")  # read after the warm-ups: one may have started it
-        self._compiled = compiles()  # torch.compile's record so far: the cell's come after
+        self._compiled = compiles.records()  # torch.compile's record so far: the cell's come after
         heard: list[str] = []
-        steps = opts.steps if opts.lines and self.loops else 0
-        prof = _profiler(cuda, steps, opts.threads)
-
-        def step() -> None:  # the tracer's, as a step of the loop begins: torch's own doing
-            with ctrl_c.hold(), recording.stepping():
-                prof.step()
-
+        prof = _profiler(cuda, opts.threads)
+        recording = _Recording(prof, heard, cuda)
         tracer = LineTracer(
-            self.cell_file, self.label, self.functions, self.loops, steps, step
+            self.cell_file, self.label, self.functions, self.loops,
+            opts.steps if self.loops else 0, recording, _first_line(self.source),
         ) if opts.lines else None
+        recording.stop_tracer = tracer.stop if tracer is not None else None
         meter = Meter(sync=True)
         value = measured = recorder = None
         # Ctrl-C ends the cell's run only: starting and stopping the profiler (and the
         # tracer) are never cut in half, and a press there is delivered once they are done.
         with _ctrl_c_held() as ctrl_c:
-            recording = _Recording(prof, heard, tracer.stop if tracer is not None else None)
             recording.start()
             try:
                 prof.add_metadata_json("distributedInfo", json.dumps(
@@ -483,8 +541,8 @@ class Capture:
                     raise
                 try:  # a second Ctrl-C may cut the partial report short
                     with ctrl_c.let_through():
-                        show_partial(self._report(prof, tracer, None, heard, cuda, recorder,
-                                                  partial=err))
+                        show_partial(self._report(recording, tracer, None, heard, cuda,
+                                                  recorder, partial=err))
                 except Exception:  # ours: the cell's own error is the one to see
                     _log.debug("the partial profile could not be made", exc_info=True)
                 # the traceback keeps this frame, not the record
@@ -496,39 +554,44 @@ class Capture:
             print(ended)
             return None, value
         try:
-            return self._report(prof, tracer, measured, heard, cuda, recorder), value
+            return self._report(recording, tracer, measured, heard, cuda, recorder), value
         except Exception as err:  # the cell ran: its value is kept, and our fault said
             _log.debug("the profile could not be made", exc_info=True)
             print(f"%%profile could not read the profile: {first_sentence(err, named=True)}")
             return None, value
 
     def _report(
-        self, prof: Any, tracer: LineTracer | None, measured: Measurement | None,
+        self, recording: _Recording, tracer: LineTracer | None, measured: Measurement | None,
         heard: list[str], cuda: bool, recorder: Any = None,
         partial: BaseException | None = None,
     ) -> ProfileReport:
         opts = self.options
-        events = from_kineto(prof.profiler.kineto_results)
+        pieces = _Pieces(recording.pieces)
+        events = pieces.events()
         names = tracer.names if tracer is not None else {}
         in_use = cuda or (measured is not None and measured.device is not None)
         analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
                            device_in_use=in_use)
         windowed = tracer is not None and tracer.windowed
+        wall = measured.wall_s if measured is not None else max(
+            (e.end_ns for e in events), default=0) / 1e9
         if tracer is not None and windowed:
             analysis.lines = tracer.rows(analysis.lines)
+        if tracer is not None and tracer.left_out:
+            # what the events cover: the wall less the pauses and the profiler's switches
+            analysis.recorded_s = max(wall - (tracer.paused_ns + tracer.switch_ns) / 1e9, 0.0)
         notes = _device_notes(analysis, events, heard, cuda)
         if not cuda and runtime_up("cuda"):
             notes.append("CUDA started in this cell, after recording began: its device "
-                         "activity is not in this profile (run the cell again, or --warmup 1)")
+                         "activity is not in this profile (run the cell again, or --warmup 1, "
+                         "which runs it once more first: a training cell trains once more)")
         if opts.sort == "device" and not analysis.device_recorded:
             notes.append("--sort device: no device activity was recorded, so by self CPU time")
         notes.extend(_thread_notes(events, tracer, opts.threads))
         if self.plain_wall_s is None and self.plain_from and partial is None:
             notes.append(self.plain_from)
-        wall = measured.wall_s if measured is not None else max(
-            (e.end_ns for e in events), default=0) / 1e9
-        trace, trace_bytes = self._write_trace(prof, notes)
-        timeline = self._timeline(prof, recorder, notes) if opts.memory else None
+        trace, trace_bytes = self._write_trace(pieces, notes)
+        timeline = self._timeline(pieces, recorder, notes) if opts.memory else None
         advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes)
         why = None
         if partial is not None:
@@ -539,11 +602,11 @@ class Capture:
             label=self.label, runs=opts.runs, wall_s=wall, measurement=measured,
             analysis=analysis, trace_path=trace, plain_wall_s=None if why else self.plain_wall_s,
             plain_from=self.plain_from if self.plain_wall_s else None, partial=why,
-            notes=notes, profiler=prof, sort=opts.sort,
+            notes=notes, profiler=recording.prof, sort=opts.sort,
             timeline=timeline,
             trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
-            steps=tracer.steps if tracer is not None else 0,
-            full_steps=opts.steps if windowed else 0, advice=advice,
+            loops=tracer.loops_run() if tracer is not None else [],
+            full_steps=opts.steps if windowed else 0, events=len(events), advice=advice,
         )
 
     def _advice(
@@ -551,7 +614,7 @@ class Capture:
         wall: float, cuda: bool, measured: Measurement | None, timeline: Any,
         notes: list[str],
     ) -> list[Advice]:
-        peak = measured.device_peak_bytes if measured is not None else None
+        peak = measured.device_top_bytes() if measured is not None else None
         try:
             setting = read_setting(wall, cuda, peak, self._compiled)
             top = timeline.largest[0] if timeline is not None and timeline.largest else None
@@ -580,7 +643,8 @@ class Capture:
             notes.append(f"the memory timeline could not be drawn: {first_sentence(err, True)}")
             return None
         return timeline
-    def _write_trace(self, prof: Any, notes: list[str]) -> tuple[str | None, int]:
+
+    def _write_trace(self, prof: _Pieces, notes: list[str]) -> tuple[str | None, int]:
         """Write the trace: the path and its size. kineto says a failure only on stderr, so
         the file is opened here first, and kineto's lines are caught like its others. An
         unnamed trace goes to the session's one kept file (`traces`)."""
@@ -594,13 +658,69 @@ class Capture:
             size = os.path.getsize(path)
             if not size:
                 raise OSError("kineto wrote nothing")
-        except (OSError, RuntimeError) as err:
+        except (OSError, RuntimeError, ValueError) as err:
             if self.options.trace is None:
                 self.traces.clear()
             why = getattr(err, "strerror", None) or err
             notes.append(f"the trace could not be written to {path}: {why}")
             return None, 0
         return path, size
+
+
+class _Pieces:
+    """The sessions of one capture (`_Recording.pieces`) read as one: their events on the
+    first one's clock, one trace, one event tree."""
+
+    def __init__(self, pieces: list[Any]) -> None:
+        self.pieces = pieces
+
+    def events(self) -> list[Event]:
+        if not self.pieces:
+            return []
+        origin = self.pieces[0].kineto_results.trace_start_ns()
+        return [e for piece in self.pieces for e in from_kineto(piece.kineto_results, origin)]
+
+    def export_chrome_trace(self, path: str) -> None:
+        """One trace file (gzipped where `path` ends in .gz, as torch's): the sessions'
+        events together (kineto stamps them all from one base time)."""
+        if not self.pieces:
+            raise RuntimeError("nothing was recorded")
+        with tempfile.TemporaryDirectory() as folder:
+            parts = [os.path.join(folder, f"{i}.json") for i in range(len(self.pieces))]
+            for piece, part in zip(self.pieces, parts):
+                piece.export_chrome_trace(part)  # kineto's JSON, whatever the name
+            opener: Any = gzip.open if path.endswith(".gz") else open
+            with opener(path, "wb") as out:
+                if len(parts) == 1:
+                    with open(parts[0], "rb") as f:
+                        shutil.copyfileobj(f, out)
+                    return
+                with open(parts[0]) as f:
+                    trace = json.load(f)
+                for part in parts[1:]:
+                    with open(part) as f:
+                        events = json.load(f)["traceEvents"]
+                    trace["traceEvents"] += [e for e in events if e.get("ph") != "M"]  # not
+                    # the metadata, the first session's
+                out.write(json.dumps(trace, separators=(",", ":")).encode())
+
+    # memtimeline reads prof.profiler.kineto_results.experimental_event_tree()
+    @property
+    def profiler(self) -> _Pieces:
+        return self
+
+    @property
+    def kineto_results(self) -> _Pieces:
+        return self
+
+    def experimental_event_tree(self) -> list[Any]:
+        return [n for p in self.pieces for n in p.kineto_results.experimental_event_tree()]
+
+
+def _first_line(source: str) -> int:
+    """The cell's line that IPython's code starts at: its leading blank lines dropped."""
+    lines = source.split("\n")
+    return next((i for i, line in enumerate(lines, 1) if line.strip()), 1)
 
 
 def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool) -> list[str]:
@@ -619,11 +739,24 @@ def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool)
             f"profile ({how})"]
 
 
+# torch.profiler's start asks `at::hasCUDA()`, whatever it records: cudaGetDeviceCount,
+# which initialises the CUDA driver (cuInit), and a forked child cannot use CUDA after that.
+_DRIVER_STARTED = (
+    "no kernel recorded: CUDA was not up when recording began; torch's profiler initialised "
+    "the CUDA driver as it started, so a process forked from this kernel can no longer use "
+    "CUDA (notebook_launcher, ddp_notebook: launch before %%profile, or use spawn)"
+)
+
+
 def _device_notes(
     analysis: Analysis, events: list[Event], heard: list[str], cuda: bool
 ) -> list[str]:
-    """One line where CUDA was up but its activity could not be recorded."""
-    if not cuda or analysis.device_recorded:
+    """One line where CUDA was up but its activity could not be recorded, or where it was
+    not, on a GPU, and the cell did not start it: torch's profiler started the driver."""
+    if not cuda:
+        driver = not runtime_up("cuda") and cuda_built() and (nvml_gpu_count() or 0) > 0
+        return [_DRIVER_STARTED] if driver else []
+    if analysis.device_recorded:
         return []
     said = "\n".join(heard)
     on_device = any(e.kind == "memory" and e.on_device for e in events)
@@ -655,25 +788,15 @@ def _sync() -> None:
         accel.synchronize()
 
 
-def _profiler(cuda: bool, steps: int = 0, threads: bool = False) -> Any:
+def _profiler(cuda: bool, threads: bool = False) -> Any:
     """torch's profiler, recording CUDA only where asked, and every thread of the process
-    with `threads` (else the cell's own thread, and autograd's for its backward).
-
-    With `steps`, its `step()` is called as each step of the cell's outer loop begins
-    (by the line tracer), and its schedule records the cell up to the loop's 2nd step
-    (all of it, where the loop has one step or none); from there on, afresh, the steps
-    2 to `steps + 1`, which leaves the first step's one-time costs out; then nothing."""
-    from torch.profiler import ProfilerAction, ProfilerActivity, profile
-
-    def schedule(step: int) -> ProfilerAction:  # step n: the loop's (n + 1)-th
-        return (ProfilerAction.RECORD_AND_SAVE if step in (0, steps)
-                else ProfilerAction.RECORD if step < steps
-                else ProfilerAction.NONE)
+    with `threads` (else the cell's own thread, and autograd's for its backward). Each
+    `start()` after a `stop()` begins a session of its own (`_Recording` keeps each)."""
+    from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     extra = {"experimental_config": _ALL_THREADS} if threads else {}
-    prof = profile(activities=activities, record_shapes=True, profile_memory=True,
-                   schedule=schedule if steps else None, **extra)
+    prof = profile(activities=activities, record_shapes=True, profile_memory=True, **extra)
     prof.record_steps = False  # its ProfilerStep ranges would be rows of the op table
     return prof
 
@@ -700,29 +823,35 @@ _ALL_THREADS = _all_threads_config()
 
 
 class _Recording:
-    """Our kineto session, from its start to its stop.
+    """Our kineto sessions, from the first start to the last stop.
+
+    The line tracer pauses the recording (a session stopped, kept in `pieces`) where a
+    loop's steps run past the window, and resumes it (a new session) where the code
+    outside them runs; the report reads every piece.
 
     torch records one profile at a time: a profiler the cell prepares or starts (its own
     `with torch.profiler.profile()`, a library's) ends ours, and reading or exporting a
     session something else ended crashes the process. So torch's entry points are
-    watched while we record; where another profiler came, ours is neither stopped nor
-    read (one that still records is the cell's, and keeps recording), and `stop` says
-    why there is no profile."""
+    watched while we record, or pause; where another profiler came, ours is neither
+    stopped, resumed nor read (one that still records is the cell's, and keeps
+    recording), and `stop` says why there is no profile."""
 
     _ENTRIES = ("_prepare_profiler", "_enable_profiler")  # torch.autograd.profiler's
 
-    def __init__(
-        self, prof: Any, heard: list[str], pause: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, prof: Any, heard: list[str], cuda: bool = False) -> None:
         self.prof, self.heard = prof, heard
+        self.cuda = cuda  # the profiler records CUDA: a pause waits for its queued work
         self.other = False  # another profiler was prepared or started while we recorded
-        self.pause = pause  # stops our line ranges, which would land in the cell's profile
-        self.paused = False
-        self.thread = threading.get_ident()  # the cell's: where `pause` works
+        # stops our line tracer, whose ranges would land in the cell's profile
+        self.stop_tracer: Callable[[], None] | None = None
+        self.paused = False  # the tracer stopped, as another profiler came
+        self.thread = threading.get_ident()  # the cell's: where `stop_tracer` works
         self.real: dict[str, Any] = {}
         self.spare: list[torch.Tensor] = []
         self.flagged = True
-        self.own = False  # our schedule's step is preparing, starting or stopping a session
+        self.own = False  # we are pausing or resuming our own recording
+        self.running = False  # a session of ours records
+        self.pieces: list[Any] = []  # each session's torch.autograd.profiler.profile, stopped
 
     def start(self) -> None:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
@@ -730,19 +859,14 @@ class _Recording:
         profiling'), not to the user."""
         # blocks of their own, made in one call (a Python loop takes several times longer)
         blocks = list(torch._foreach_neg([torch.zeros(1, device="cpu")] * _WARN_EVERY))
-        with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
-            warnings.simplefilter("always")
-            try:
-                self.prof.start()
-            except RuntimeError as err:  # kineto refused (another profiler, a broken build)
-                if not torch.autograd._profiler_enabled():  # torch set its flag first
-                    torch.autograd.profiler._is_profiler_enabled = False
-                raise DeviceMagicError(
-                    f"%%profile could not start torch.profiler: {first_sentence(err)}"
-                ) from None
-            if caught:
-                self.spare = _spend_unknown_block_warning(blocks)
-        self.heard.extend(str(w.message) for w in warned)
+        try:
+            self._start(blocks)
+        except RuntimeError as err:  # kineto refused (another profiler, a broken build)
+            if not torch.autograd._profiler_enabled():  # torch set its flag first
+                torch.autograd.profiler._is_profiler_enabled = False
+            raise DeviceMagicError(
+                f"%%profile could not start torch.profiler: {first_sentence(err)}"
+            ) from None
         # torch's flag, as the start left it: a profiler of every thread (--threads) keeps
         # its state process-wide and leaves the flag off
         self.flagged = torch.autograd._profiler_enabled()
@@ -753,28 +877,56 @@ class _Recording:
                 self.real[name] = real
                 setattr(module, name, self._watched(real))
 
+    def _start(self, blocks: list[torch.Tensor]) -> None:
+        """A session of ours begins; where `blocks`, torch's warning is spent on them."""
+        with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
+            warnings.simplefilter("always")
+            self.prof.start()
+            self.running = True
+            if caught and blocks:
+                self.spare = _spend_unknown_block_warning(blocks)
+        self.heard.extend(str(w.message) for w in warned)
+
+    def pause(self) -> None:
+        """Stop our session mid-cell and keep it (the tracer's: past a loop's window)."""
+        if self.other or not self.running:
+            return
+        self.own = True
+        try:
+            if self.cuda:  # so that the kernels the session launched end in its record
+                _sync()
+            with quiet_stderr(self.heard):  # a Ctrl-C held comes after the state is set
+                self.prof.stop()
+                self.running = False
+                self.pieces.append(self.prof.profiler)
+        finally:
+            self.own = False
+
+    def resume(self) -> None:
+        """Begin a new session of ours (the tracer's: where code outside the steps runs).
+        torch's warning is not spent again (a thousand frees, milliseconds): the first
+        start left it 999 frees of blocks it cannot size away, and only the frees while
+        we record count."""
+        if self.other or self.running:
+            return
+        self.own = True
+        try:
+            self._start([])
+        finally:
+            self.own = False
+
     def _watched(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def entry(*args: Any, **kwargs: Any) -> Any:
             if self.own:
                 return real(*args, **kwargs)
-            if self.pause is not None and not self.paused and threading.get_ident() == self.thread:
-                self.pause()
+            if (self.stop_tracer is not None and not self.paused
+                    and threading.get_ident() == self.thread):
+                self.stop_tracer()
                 self.paused = True
             self.other = True
             return real(*args, **kwargs)
 
         return entry
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Our schedule's step (a session ended and another begun, or the last one ended,
-        mid-cell): neither another profiler's, nor heard by the user."""
-        self.own = True
-        try:
-            with quiet_stderr(self.heard):
-                yield
-        finally:
-            self.own = False
 
     def stop(self) -> str | None:
         """Stop recording; None, or the sentence that says why there is nothing to read."""
@@ -783,24 +935,26 @@ class _Recording:
             setattr(module, name, real)
         self.real.clear()
         try:
-            # off: as the start left it (--threads), or our schedule ended it (its window done)
-            on = (torch.autograd._profiler_enabled() or not self.flagged
-                  or getattr(self.prof, "current_action", None) == _SCHEDULE_DONE)
+            # off: as the start left it (--threads), or paused by us
+            on = torch.autograd._profiler_enabled() or not self.flagged or not self.running
             if self.other or not on:
                 if not on:  # ended, by the cell's profiler or by torch: its flag too
                     module._is_profiler_enabled = False
+                self.pieces.clear()
                 return ("%%profile: the cell's own torch.profiler ended this recording "
                         "(torch runs one at a time), so there is no profile of this cell; "
                         "its own profiler works as without %%profile")
-            with quiet_stderr(self.heard):
-                self.prof.stop()
+            if self.running:
+                with quiet_stderr(self.heard):
+                    self.prof.stop()
+                    self.running = False
+                    self.pieces.append(self.prof.profiler)
             return None
         finally:
             _release(self.prof)
             self.spare.clear()  # freed once nothing records: they count no more
 
 
-_SCHEDULE_DONE = torch.profiler.ProfilerAction.NONE  # _profiler's schedule, past its window
 _WARN_EVERY = 1000  # torch's CPU allocator warns once per this many frees it cannot size
 
 

@@ -5,12 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..advice.profile_rules import Advice
 from ..measure import Measurement
 from ..reports import Table
 from ..units import fmt_bytes, fmt_seconds, plural
-from .advice import Advice
 from .events import Analysis, KernelRow, LineRow, OpRow
 from .traces import LARGE_BYTES
+
+FULL_EVENTS = 2_000_000  # a capture recording more is not offered as --steps 0 (ours: about
+# 1 GiB of kineto's record and a trace of several hundred MB)
+
+
+@dataclass(slots=True)
+class LoopSteps:
+    """One outer loop of the cell: its header's line and its steps, each time it was entered
+    (a run of `-n` enters it again)."""
+
+    line: str
+    steps: list[int]
+
 
 # --- the report ---------------------------------------------------------------------------
 
@@ -37,8 +50,9 @@ class ProfileReport:
     sort: str = "self"
     trace_bytes: int = 0
     trace_temporary: bool = False  # the session's file, replaced by the next capture's
-    steps: int = 0  # the iterations of the cell's outer loop that began
-    full_steps: int = 0  # how many of them were recorded in full, from the 2nd (0: all)
+    loops: list[LoopSteps] = field(default_factory=list)  # the cell's outer loops that ran
+    full_steps: int = 0  # each loop's steps recorded after its first (0: all: nothing left out)
+    events: int = 0  # the events read
     advice: list[Advice] = field(default_factory=list)  # what to change (advice)
 
     @property
@@ -64,15 +78,18 @@ class ProfileReport:
                      f"({fmt_seconds(self.plain_wall_s)}, {self.plain_from})")
         parts = [f"%%profile {self.label}: {runs}, {wall}"]
         if self.full_steps:
-            parts.append(f"steps {self._recorded()} of {self.steps:,} in full (ops, memory, "
-                         "trace); lines timed over all")
+            parts.append(f"recorded in full (ops, memory, trace): {self._recorded()}, each "
+                         "line's first run and the code outside the loops; lines timed over "
+                         "every step")
         device = self.measurement.device if self.measurement is not None else None
         if a.device_recorded and a.device_busy_s is not None:
-            share = a.device_busy_s / self.wall_s if self.wall_s else 0.0
+            covered = a.recorded_s or self.wall_s  # the wall the events cover
+            of = "the recorded wall" if a.recorded_s else "the wall"
+            share = a.device_busy_s / covered if covered else 0.0
             parts.append(f"{device or 'device'} busy {fmt_seconds(a.device_busy_s)} "
-                         f"({share:.0%} of the wall)")
+                         f"({share:.0%} of {of})")
             parts.append(f"{a.launches:,} kernel launch{'' if a.launches == 1 else 'es'}")
-            size = "" if a.copy_bytes is None else f" ({fmt_bytes(a.copy_bytes)})"
+            size = _copies_size(a.copy_bytes, a.copies_unsized)
             parts.append(f"{a.copies:,} host-device cop{'y' if a.copies == 1 else 'ies'}{size}")
             parts.append(plural(a.syncs, "synchronisation"))
         parts.append(plural(a.op_calls, "op call"))
@@ -122,7 +139,8 @@ class ProfileReport:
         notes = []
         if self.full_steps:
             notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
-                         f"and allocated: steps {self._recorded()} (--steps 0 records all)")
+                         f"and allocated: {self._recorded()}, each line's first run and the "
+                         f"code outside the loops; {self._more()}")
         slowest = self.slowest_line()
         if slowest is not None and self.wall_s:
             notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
@@ -130,9 +148,39 @@ class ProfileReport:
         return Table("by line (each event goes to the innermost line of the cell running)",
                      head, rows, notes)
 
+    @property
+    def steps(self) -> int:
+        """The steps of the cell's outer loops, all runs together."""
+        return sum(sum(loop.steps) for loop in self.loops)
+
     def _recorded(self) -> str:
-        last = min(self.full_steps + 1, self.steps)
-        return "2" if last == 2 else f"2–{last:,}"
+        """'steps 1–6 of 2,000 of the loop on line 5, all 7 of the loop on line 1'"""
+        said = []
+        for loop in self.loops:
+            total, most = sum(loop.steps), max(loop.steps, default=0)
+            if most <= self.full_steps + 1:
+                said.append(f"all {total:,} of the loop on line {loop.line}")
+                continue
+            each = "" if len(loop.steps) == 1 else f" of each of {len(loop.steps)} runs"
+            said.append(f"1–{self.full_steps + 1}{each} (of {total:,}) of the loop on line "
+                        f"{loop.line}")
+        return "steps " + ", ".join(said)
+
+    def _more(self) -> str:
+        """What recording more steps would cost: each step's events, all of them."""
+        recorded = sum(min(s, self.full_steps + 1) for loop in self.loops for s in loop.steps)
+        per_step = self.events / max(recorded, 1)
+        left = self.steps - recorded
+        every = self.events + per_step * left
+        trace = (f", a trace of about {fmt_bytes(int(self.trace_bytes / self.events * every))}"
+                 if self.events and self.trace_bytes else "")
+        cost = (f"--steps N records the first step and N more (about {per_step:,.0f} events a "
+                f"step); every step would be about {every:,.0f} events{trace}")
+        if every > FULL_EVENTS:
+            entries = sum(len(loop.steps) for loop in self.loops)
+            fits = max(int(FULL_EVENTS / per_step / max(entries, 1)) - 1, self.full_steps)
+            return f"{cost}: too many, --steps {fits:,} stays within {FULL_EVENTS:,}"
+        return f"{cost}: --steps 0"
 
     def slowest_line(self) -> LineRow | None:
         return max(self.lines, key=lambda r: r.wall_s, default=None)
@@ -164,3 +212,10 @@ def _bytes(n: int | None) -> str:
 
 def _short(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _copies_size(known: int | None, unsized: int) -> str:
+    """The copies' bytes for the overview, and how many of them are of unknown size."""
+    if known is None:
+        return " (size unknown)"
+    return f" ({fmt_bytes(known)}" + (f"; {unsized:,} of unknown size)" if unsized else ")")

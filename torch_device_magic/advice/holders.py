@@ -26,17 +26,17 @@ from typing import Any
 
 from torch import Tensor
 
-from . import namespace as ns
-from .gpufree import accelerators_in_use
-from .hints import release_frames
-from .reports import Table
-from .tensors import WALK_LIMIT, storage_bytes, storage_key
-from .units import fmt_bytes, fmt_per_device
+from .. import namespace as ns
+from ..devices import accelerators_in_use
+from ..reports import Table
+from ..tensors import WALK_LIMIT, storage_bytes, storage_key
+from ..units import fmt_bytes, fmt_per_device
 
 Key = tuple[str, int]  # (device, storage key), as `%tensors` counts storages
 _RESULTS = ("_", "__", "___")  # IPython's last three displayed results
 _IPYTHONS = re.compile(r"_+|_\d+|_i+\d*|_[oid]h|_exit_code")  # its names in the namespace
 RESULT, TRACEBACK, GRAPH, STATE = "result", "traceback", "graph", "state"
+_PACKAGE = __name__.split(".")[0]  # our frames hold the shell, not the cell's data
 _SAVED: dict[type, tuple[str, ...]] = {}  # a graph node's type: its saved-tensor attributes
 
 
@@ -160,20 +160,40 @@ def traceback_locals(error: BaseException) -> list[object]:
     values: list[object] = []
     for frame in _frames(error):
         module = str(frame.f_globals.get("__name__", ""))
-        if frame.f_locals is frame.f_globals or module.split(".")[0] in ("IPython", __package__):
+        if frame.f_locals is frame.f_globals or module.split(".")[0] in ("IPython", _PACKAGE):
             continue
         values += frame.f_locals.values()
     return values
 
 
 def _frames(error: BaseException) -> Iterator[FrameType]:
+    for chained in _chain(error):
+        for frame, _ in traceback.walk_tb(chained.__traceback__):
+            yield frame
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and those it chains to (its cause, else its context), each once."""
     seen: set[int] = set()
     chained: BaseException | None = error
     while chained is not None and id(chained) not in seen:
         seen.add(id(chained))
-        for frame, _ in traceback.walk_tb(chained.__traceback__):
-            yield frame
+        yield chained
         chained = chained.__cause__ or chained.__context__
+
+
+def release_frames(error: BaseException) -> None:
+    """Drop what `error`'s traceback (and those it chains to) keep alive: the frames'
+    locals and `sys.last_*`."""
+    for chained in _chain(error):
+        traceback.clear_frames(chained.__traceback__)
+        for frame, _ in traceback.walk_tb(chained.__traceback__):
+            # Before Python 3.13 a frame keeps the dict of locals that a traceback
+            # printer read; reading f_locals again syncs it with the cleared frame.
+            frame.f_locals  # noqa: B018
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 def graph_tensors(roots: Iterable[Tensor]) -> Iterator[Tensor]:
@@ -289,7 +309,7 @@ def traceback_bytes(
 ) -> dict[str, int]:
     """Bytes per device of tensors that `error`'s traceback keeps alive in its frames'
     locals and that no name in `namespace` (apart from those in `skip`) holds; {} where
-    they come to less than `minimum` (advice.py's note says when they are worth saying)."""
+    they come to less than `minimum` (notes.py's note says when they are worth saying)."""
     keys = _reached(traceback_locals(error))
     if sum(keys.values()) < minimum:  # the usual failing cell: the namespace is not walked
         return {}

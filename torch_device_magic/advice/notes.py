@@ -5,9 +5,10 @@
     pred keeps an autograd graph holding 412.0 MiB: for inference run the cell under
     %%nograd, or torch.no_grad()
 
-This module is the one place where each note's text and threshold live: a `Note` is a
-small record (rule, figure, threshold, where, text), made by the plain functions below,
-which `%%profile`'s advice can call too. `Advisor.notes` looks after each cell. What it
+This module is the one place where each note's text lives (its threshold is in
+thresholds.py, beside `%%profile`'s): a `Note` is a small record (rule, figure,
+threshold, where, text), made by the plain functions below, which `%%profile`'s advice
+can call too. `Advisor.notes` looks after each cell. What it
 looks at on an ordinary cell costs well under a microsecond: whether torch's compiler
 was imported (never importing it: that takes seconds) and recorded a compilation since
 the last cell, whether the cell displayed a result, and figures the report already read.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -29,21 +29,25 @@ from typing import Any
 import psutil
 import torch
 
-from .probes import free_and_total, guarded, nvml_busy_percent
-from .units import fmt_bytes, fmt_per_device, fmt_seconds
+from ..probes import free_and_total, guarded, nvml_busy_percent
+from ..units import fmt_bytes, fmt_per_device, fmt_seconds
+from . import compiles
+from .compiles import UTILS
+from .holders import traceback_bytes
+from .thresholds import (
+    BUSY_LOW,
+    BUSY_MIN_S,
+    DISPLAYED_MIN_BYTES,
+    DISPLAYED_SHARE,
+    IDLE_HELD_BYTES,
+    IDLE_MAX,
+    INFERENCE_MIN_BYTES,
+    NEAR_CAPACITY_SHARE,
+    TRACEBACK_MIN_BYTES,
+    capacity_share,
+)
 
 _log = logging.getLogger(__name__)
-MiB = 2**20
-
-NEAR_CAPACITY_SHARE = 0.90  # a cell's device peak at this share of the device's memory
-DISPLAYED_MIN_BYTES = 256 * MiB  # a displayed result this large is said (any device) ...
-DISPLAYED_SHARE = 0.05  # ... and one holding this share of an accelerator's memory
-INFERENCE_MIN_BYTES = 64 * MiB  # an autograd graph kept by an inference cell, this large
-BUSY_MIN_S = 0.5  # a CUDA cell this long gets its GPU's busy share read (NVML) ...
-BUSY_LOW = 50.0  # ... and a note below this percent busy
-IDLE_MAX = 5.0  # at most this busy, while holding IDLE_HELD_BYTES: the GPU sat idle
-IDLE_HELD_BYTES = 1024 * MiB
-TRACEBACK_MIN_BYTES = 100 * MiB  # a failing cell's traceback keeps this much in its locals
 _MAX_ITEMS = 1000  # a displayed container longer than this is not looked into
 _MAX_NODES = 100_000  # an autograd graph is walked this far, no further
 
@@ -68,8 +72,8 @@ class Note:
 
 def near_capacity(device: str, peak_bytes: int, total_bytes: int) -> Note | None:
     """The cell's peak reached NEAR_CAPACITY_SHARE of the device's memory."""
-    share = peak_bytes / total_bytes
-    if share < NEAR_CAPACITY_SHARE:
+    share = capacity_share(peak_bytes, total_bytes)
+    if share is None:
         return None
     return Note("near_capacity", f"peak at {share:.0%} of {device}: a larger batch will likely "
                 "run out of memory; see %%profile --memory", share, NEAR_CAPACITY_SHARE, device)
@@ -164,7 +168,7 @@ class Advisor:
     def __init__(self, shell: Any) -> None:
         self._shell = shell
         self._totals: dict[str, int | None] = {}  # device name: total bytes, read once
-        self._seen: object = _last_compilation()  # torch's last compilation record seen
+        self._seen: object = compiles.last_record()  # torch's last compilation record seen
 
     def notes(self, record: Any, result: Any) -> tuple[Note, ...]:
         """The notes for a cell just measured; () for an ordinary cell, and where looking
@@ -172,8 +176,8 @@ class Advisor:
 
         An ordinary cell (nothing compiled, nothing displayed, little memory kept, no
         accelerator) costs a few comparisons here, and nothing more."""
-        utils = sys.modules.get("torch._dynamo.utils")  # only where the user's code imported it
-        compiled = utils is not None and self._compiled(utils)
+        utils = sys.modules.get(UTILS)  # only where the user's code imported it
+        compiled = utils is not None and compiles.recorded_since(utils, self._seen)
         if not (compiled or getattr(result, "result", None) is not None
                 or getattr(result, "error_in_exec", None) is not None
                 or record.device is not None
@@ -184,11 +188,6 @@ class Advisor:
         except (Exception, KeyboardInterrupt):
             _log.debug("making the cell's notes failed", exc_info=True)
             return ()
-
-    def _compiled(self, utils: Any) -> bool:
-        """Whether torch recorded a compilation since the last cell."""
-        records: Any = getattr(utils, "_compilation_metrics", None)
-        return bool(records) and records[-1] is not self._seen
 
     def _notes(self, record: Any, result: Any, utils: Any) -> Iterator[Note]:
         if utils is not None:
@@ -220,10 +219,8 @@ class Advisor:
     def _traceback(self, error: BaseException) -> Note | None:
         """What a failing cell's traceback keeps alive (the out-of-memory hint, made
         before the notes, has cleared its frames already)."""
-        from . import holders  # here, not at the top: holders imports hints, which imports us
-
         shell = self._shell
-        return traceback_kept(holders.traceback_bytes(
+        return traceback_kept(traceback_bytes(
             error, shell.user_ns, shell.user_ns_hidden, TRACEBACK_MIN_BYTES))
 
     def _busy(self, record: Any) -> Note | None:
@@ -242,13 +239,11 @@ class Advisor:
         return self._totals[device]
 
     def _near_capacity(self, record: Any) -> Note | None:
-        if record.device_allocated_bytes is None or record.device_delta_bytes is None:
-            return None
+        peak = record.device_top_bytes()
         total = self.total_bytes(record.device)
-        if not total:
+        if peak is None or not total:
             return None
-        start = record.device_allocated_bytes - record.device_delta_bytes
-        return near_capacity(record.device, start + record.device_peak_bytes, total)
+        return near_capacity(record.device, peak, total)
 
     def _displayed(self, value: object, cell: int | None) -> Note | None:
         held = _tensor_bytes(value)
@@ -283,15 +278,9 @@ class Advisor:
     def _compilations(self, utils: Any) -> Iterator[Note]:
         """Notes on what torch's compiler recorded since the last cell: compiles, graph
         breaks, recompiles and their reasons, the recompile limit, skipped CUDA graphs."""
-        records = utils._compilation_metrics
-        new = []
-        for entry in reversed(records):
-            if entry is self._seen:
-                break
-            new.append(entry)
-        new.reverse()
-        self._seen = records[-1]
-        yield from _compile_notes(new, list(records), _recompile_limit())
+        new, everything = compiles.records_since(utils, self._seen)
+        self._seen = everything[-1]
+        yield from _compile_notes(new, everything, compiles.recompile_limit())
 
 
 def _our_pids() -> set[int]:
@@ -299,70 +288,6 @@ def _our_pids() -> set[int]:
     me = psutil.Process()
     children = guarded(me.children, True) or []
     return {me.pid, *(c.pid for c in children)}
-
-
-def recompile_limit_reasons() -> tuple[str, list[str]]:
-    """The function that last hit torch.compile's recompile limit, and the reasons torch
-    recorded for its recompiles (oldest first, each once); ("a function", []) where torch
-    recorded none. For the hint after a cell that failed there (`fullgraph=True`)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    everything = list(getattr(utils, "_compilation_metrics", ()))
-    hit = next((e for e in reversed(everything) if _hit_limit(e)), None)
-    if hit is None:
-        return "a function", []
-    frame = str(hit.compile_id).split("/")[0]
-    reasons = [_reason(e.recompile_reason) for e in everything
-               if e.recompile_reason and str(e.compile_id).split("/")[0] == frame]
-    return _function(hit, everything)[0], list(dict.fromkeys(reasons))
-
-
-def _hit_limit(entry: Any) -> bool:
-    """Whether a compilation record is a function reaching the recompile limit (an error
-    under fullgraph=True, else the function runs uncompiled)."""
-    fail = entry.fail_reason or ""
-    return (entry.fail_type == "FailOnRecompileLimitHit" or "recompile limit" in fail
-            or "cache size limit" in fail)
-
-
-def _last_compilation() -> object:
-    utils = sys.modules.get("torch._dynamo.utils")
-    records = getattr(utils, "_compilation_metrics", None)
-    return records[-1] if records else None
-
-
-def _recompile_limit() -> int | None:
-    config = sys.modules.get("torch._dynamo.config")
-    limit = getattr(config, "recompile_limit", getattr(config, "cache_size_limit", None))
-    return limit if isinstance(limit, int) else None
-
-
-_RESUME = re.compile(r"torch_dynamo_resume_in_(\w+?)_at_(\d+)$")
-_COMPILE_ID = re.compile(r"^\[?(\d+)/\d+\]?:?\s*")
-
-
-def _function(entry: Any, everything: list[Any]) -> tuple[str, int | None]:
-    """The user's function an entry compiled (a graph break's resumed part counts as its
-    function), and the line a resumed part starts at."""
-    name = getattr(entry, "co_name", None)
-    if name is None:  # a failed compile: its frame's earlier records carry the name
-        frame = str(getattr(entry, "compile_id", "")).split("/")[0]
-        name = next((e.co_name for e in reversed(everything) if e.co_name
-                     and str(e.compile_id).split("/")[0] == frame), None)
-    if name is None:
-        return "a function", None
-    resumed = _RESUME.match(name)
-    return (resumed.group(1), int(resumed.group(2))) if resumed else (name, None)
-
-
-def _reason(text: str | None) -> str:
-    """torch's reason, made one short line: its explanation where it gives one."""
-    if not text:
-        return ""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    explained = next((line for line in lines if line.startswith("Explanation:")), None)
-    line = explained.removeprefix("Explanation:").strip() if explained else lines[0]
-    line = _COMPILE_ID.sub("", line).split("  #")[0].strip()
-    return line if len(line) <= 160 else line[:157] + "..."
 
 
 def _compile_notes(new: list[Any], everything: list[Any], limit: int | None) -> Iterator[Note]:
@@ -374,24 +299,27 @@ def _compile_notes(new: list[Any], everything: list[Any], limit: int | None) -> 
     breaks: dict[str, str] = {}  # a function's graph-break reason, waiting for its line
     notes: list[Note] = []
     for entry in new:
-        function, line = _function(entry, everything)
+        function, line = compiles.function_of(entry, everything)
         fail = entry.fail_reason or ""
-        if _hit_limit(entry):
-            notes.append(recompile_limit(function, limit, _reason(entry.recompile_reason)))
+        if compiles.hit_limit(entry):
+            why = compiles.short_reason(entry.recompile_reason)
+            notes.append(recompile_limit(function, limit, why))
             continue
         first = not entry.cache_size
         if entry.recompile_reason and not first:
-            why, count, times = again.get(function, (_reason(entry.recompile_reason), 0, 0))
+            first_why = compiles.short_reason(entry.recompile_reason)
+            why, count, times = again.get(function, (first_why, 0, 0))
             # A resumed part recompiles with its function: one recompile of the function.
             again[function] = (why, max(count, entry.cache_size + 1), times + (line is None))
         elif first and not fail:
             frames.setdefault(function, []).append(entry.entire_frame_compile_time_s or 0.0)
         if entry.restart_reasons and first:
-            breaks[function] = _reason(sorted(entry.restart_reasons)[0])
+            breaks[function] = compiles.short_reason(sorted(entry.restart_reasons)[0])
         if line is not None and first and function in breaks:
             notes.append(graph_break(function, line, breaks.pop(function)))
         if getattr(entry, "cudagraph_skip_reason", None):
-            notes.append(cudagraphs_skipped(function, _reason(entry.cudagraph_skip_reason)))
+            skipped = compiles.short_reason(entry.cudagraph_skip_reason)
+            notes.append(cudagraphs_skipped(function, skipped))
     yield from (compiled(f, len(times), sum(times)) for f, times in frames.items())
     yield from (recompiled(f, why, count, limit, times)
                 for f, (why, count, times) in again.items())

@@ -27,7 +27,6 @@ import multiprocessing
 import multiprocessing.process
 import os
 import re
-import sys
 import traceback
 import types
 from concurrent.futures.process import BrokenProcessPool
@@ -35,13 +34,14 @@ from typing import Any
 
 import torch
 
-from .advice import recompile_limit_reasons
-from .cells import cell_attributes, code_words
-from .devices import cuda_other_processes, others_note
-from .namespace import TensorRow, scan
-from .probes import free_and_total, guarded, torch_default_device
-from .reach import reach
-from .units import fmt_bytes
+from ..cells import cell_attributes, code_words
+from ..devices import cuda_other_processes, others_note
+from ..namespace import TensorRow, scan
+from ..probes import free_and_total, guarded, torch_default_device
+from ..reach import reach
+from ..units import fmt_bytes
+from .compiles import recompile_limit_reasons
+from .holders import release_frames
 
 PREFIX = "Hint (torch_device_magic):"
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.* from 2.5
@@ -165,24 +165,6 @@ def _out_of_memory(error: BaseException, namespace: dict[str, object]) -> str:
         "  The traceback's frames were cleared so that their tensors can be freed.",
     ]
     return "\n".join(lines)
-
-
-def release_frames(error: BaseException) -> None:
-    """Drop what `error`'s traceback (and those it chains to) keep alive: the frames'
-    locals and `sys.last_*`."""
-    seen: set[int] = set()
-    chained: BaseException | None = error
-    while chained is not None and id(chained) not in seen:
-        seen.add(id(chained))
-        traceback.clear_frames(chained.__traceback__)
-        for frame, _ in traceback.walk_tb(chained.__traceback__):
-            # Before Python 3.13 a frame keeps the dict of locals that a traceback
-            # printer read; reading f_locals again syncs it with the cleared frame.
-            frame.f_locals  # noqa: B018
-        chained = chained.__cause__ or chained.__context__
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            delattr(sys, name)
 
 
 def _free_and_total(message: str) -> tuple[int, int] | None:

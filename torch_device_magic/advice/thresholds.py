@@ -1,0 +1,49 @@
+"""Every threshold of "what to do", in one place: the notes under a cell and `%%profile`'s
+rules read the same figures, so that a note and the profile's advice say the same thing.
+
+Provenance of the profile's: "tb" is the removed TensorBoard profiler plugin's
+(profiler/data.py of its last release), "HTA" Holistic Trace Analysis', "ours" ours;
+docs/report.md and docs/profile.md list them for users.
+"""
+
+MiB = 2**20
+
+# --- the notes under a cell (notes.py) ----------------------------------------------------
+NEAR_CAPACITY_SHARE = 0.90  # a cell's device peak at this share of the device's memory
+DISPLAYED_MIN_BYTES = 256 * MiB  # a displayed result this large is said (any device) ...
+DISPLAYED_SHARE = 0.05  # ... and one holding this share of an accelerator's memory
+INFERENCE_MIN_BYTES = 64 * MiB  # an autograd graph kept by an inference cell, this large
+BUSY_MIN_S = 0.5  # a CUDA cell this long gets its GPU's busy share read (NVML) ...
+BUSY_LOW = 50.0  # ... and a note below this percent busy
+IDLE_MAX = 5.0  # at most this busy, while holding IDLE_HELD_BYTES: the GPU sat idle
+IDLE_HELD_BYTES = 1024 * MiB
+TRACEBACK_MIN_BYTES = 100 * MiB  # a failing cell's traceback keeps this much in its locals
+
+# --- %%profile's rules (profile_rules.py) -------------------------------------------------
+LOADER_SHARE = 0.05  # tb: the DataLoader's share of the wall
+DEVICE_BUSY = BUSY_LOW / 100  # tb (0.50): the device busy below this share of the wall
+NEAR_CAPACITY = NEAR_CAPACITY_SHARE  # tb (0.90): the peak over this share of the device's memory
+FRAGMENTED = 1.5  # ours: reserved over this many times the peak allocated
+TENSOR_CORES = (7, 0)  # tb: the compute capability with tensor cores
+PAGEABLE_BYTES = 1 << 20  # ours: pageable host-to-device copies worth pinning
+TINY_HITS = 1000  # ours: a line run this many times...
+# ...at under this much wall a call (a few µs of torch's own time, the rest overhead; on a
+# loaded 2-core machine torch.randn(8) read 48-65 µs a call of wall, so the bound has room)...
+TINY_HIT_S = 200e-6
+TINY_SHARE = 0.10  # ...taking this share of the wall
+CPU_OPS_SHARE = 0.20  # ours: torch's CPU work worth more threads
+SHORT_KERNELS = 0.50  # HTA: the share of kernels shorter than their launch
+WARM_UP_LINE = 0.50  # ours: a line this much of whose wall was first-call loading is warm-up
+WARM_UP_WALL = 0.10  # ours: first-call loading worth saying, as a share of the wall ...
+COLD_RUN = 0.50  # ... and at this share, the whole run was cold: no launch or host advice
+DATA_PARALLEL_GPUS = 2  # tb: DataParallel on this many GPUs or more
+
+
+def capacity_share(peak_bytes: int | None, total_bytes: int | None) -> float | None:
+    """The share of a device's memory a cell's peak took, where it is NEAR_CAPACITY_SHARE or
+    more (else None): the one test behind the note under a cell and %%profile's rule 4,
+    both given the same peak (`Measurement.device_top_bytes`)."""
+    if not peak_bytes or not total_bytes:
+        return None
+    share = peak_bytes / total_bytes
+    return share if share >= NEAR_CAPACITY_SHARE else None

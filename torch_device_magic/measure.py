@@ -122,7 +122,8 @@ class Measurement:
 
     def text(self, note: str = "") -> str:
         """The line, and under it the cell's notes, one a line."""
-        return "\n".join((self.summary(note), *map(str, self.notes)))
+        line = self.summary(note)
+        return "\n".join((line, *map(str, self.notes))) if self.notes else line
 
     def __str__(self) -> str:
         return self.summary()
@@ -147,6 +148,7 @@ def _sub(a: int | None, b: int | None) -> int | None:
 
 _NOTHING = Counters(0, 0, 0, 0)  # a device without a context has allocated nothing
 _NONE: dict[str, Any] = {}  # no device timed (never written to)
+_NO_DEVICES: list[Any] = []  # no device watched (never written to): no comprehension run
 
 
 def _changed(before: Counters, after: Counters) -> bool:
@@ -256,8 +258,8 @@ class Meter:
             _, watched, self._before = carried
         else:
             main = active_accelerator(device, self._kinds)
-            watched = [] if main is None else devices_in_use(main)
-            self._before = {a.name: a.counters() for a in watched}
+            watched = _NO_DEVICES if main is None else devices_in_use(main)
+            self._before = {a.name: a.counters() for a in watched} if watched else _NONE
             for accel in watched:
                 accel.start_peak()
         self.children.start()
@@ -269,7 +271,8 @@ class Meter:
         # clock stops (after the synchronise that waits for them).
         self._t0 = clock()
         # Without the synchronise no end event is done at the stop: none is recorded.
-        self._starts = [(a, a.record_event()) for a in watched if self.sync and a.has_context()]
+        self._starts = [(a, a.record_event()) for a in watched
+                        if self.sync and a.has_context()] if watched else _NO_DEVICES
 
     def stop(self) -> Measurement:
         """End measuring: synchronise what the cell used (if `sync`), read every counter.
@@ -280,7 +283,7 @@ class Meter:
         # The end events first, before anything of ours queues behind the cell; without
         # the synchronise they would not be done, so there is no device time.
         ends = {a.name: (start, a.record_event()) for a, start in self._starts
-                if start is not None} if self.sync else _NONE
+                if start is not None} if self.sync and self._starts else _NONE
         main = active_accelerator(self._device, self._kinds)
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0

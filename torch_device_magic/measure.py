@@ -12,8 +12,9 @@ moment between start and stop.
 
 from __future__ import annotations
 
+import functools
 import html
-import threading
+from threading import get_ident
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -96,13 +97,7 @@ class Measurement:
     def summary(self, note: str = "") -> str:
         """The compact line: time (and `note`: ' (profiled)'), then device and host memory
         (`n/a` where not measured), and the cell's workers where it had any."""
-        if self.host_delta_bytes is None and self.host_peak_bytes is None:
-            host = "host n/a"
-        else:
-            host = (
-                f"host {fmt_bytes(self.host_delta_bytes, signed=True)}"
-                f" (peak {fmt_bytes(self.host_peak_bytes)})"
-            )
+        host = _host_text(self.host_delta_bytes, self.host_peak_bytes)
         if self.workers is not None:
             host += f", workers {self.workers.summary()}"
         if self.device is None:
@@ -140,6 +135,15 @@ class Measurement:
             "text/html": f'<div class="tdm-report" style="font-size:smaller;opacity:.7">'
             f"{html.escape(text)}{notes}</div>",
         }
+
+
+@functools.lru_cache(maxsize=256)
+def _host_text(delta: int | None, peak: int | None) -> str:
+    """The line's host part. Most cells repeat the last few (`host 0 B (peak 0 B)`):
+    formatted once each, not once a cell."""
+    if delta is None and peak is None:
+        return "host n/a"
+    return f"host {fmt_bytes(delta, signed=True)} (peak {fmt_bytes(peak)})"
 
 
 def _sub(a: int | None, b: int | None) -> int | None:
@@ -351,7 +355,7 @@ class Meter:
         # `wall_s` where the probe reads none or the last stop ran on another thread (a
         # kernel's subshell): a cell waiting for a loaded CPU did no work.
         cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
-        thread = threading.get_ident()
+        thread = get_ident()
         self._cpu_s = None if cpu is None else (thread, cpu)
         busy_s = wall_s
         if cpu is not None and before is not None and before[0] == thread:

@@ -358,7 +358,11 @@ class CellReporter:
         record.cell = cell
         self.history.append(record)
         if adopted is None and self.shows(record):
-            self._show(record)
+            note = " (profiled)" if self._profiled else ""
+            if self._printing:
+                self._print(record.text(note))
+            else:
+                publish(self._shell.display_pub, record.bundle(note))
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""
@@ -378,13 +382,6 @@ class CellReporter:
         return type(shell.display_pub).publish is DisplayPublisher.publish and not getattr(
             shell, "mime_renderers", None
         )
-
-    def _show(self, record: Measurement) -> None:
-        note = " (profiled)" if self._profiled else ""
-        if self._printing:
-            self._print(record.text(note))
-        else:
-            publish(self._shell.display_pub, record.bundle(note))
 
     def _publish(self, bundle: dict[str, str]) -> None:
         try:

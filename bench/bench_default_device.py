@@ -1,50 +1,72 @@
-"""What torch's default device, as `%device DEV` installs it, costs a small training step.
+"""What the default device, as `%device DEV` installs it, costs a small training step.
 
-    python bench/bench_default_device.py            # about half a minute
-    python bench/bench_default_device.py --quick    # fewer rounds
+    python bench/bench_default_device.py                 # about a minute; --rounds N
+    python bench/bench_default_device.py --device cuda   # the GPU case (the default there)
+    python bench/bench_default_device.py --quick         # a smoke run
 
-`torch.set_default_device` works through a TorchFunctionMode that every torch
-call passes through, factory function or not; `%device DEV --no-default` (or
-`set_torch_default = False`) installs none. The mode's cost does not depend on
-the device it names, so it is measured here on the CPU: the default device is
-installed as `%device` installs one (`DefaultDevice.install`), naming the CPU so
-that the work itself stays the same.
+Each case runs one training step three ways, in the same process: with explicit
+devices (the model made with `device=`, each batch drawn with `device=`: the
+baseline), under `%device`'s default (`DefaultDevice.install`, each batch drawn
+without `device=`), and under torch's own `torch.set_default_device` (a
+TorchFunctionMode that every torch call passes through, factory or not: what
+`%device` installed up to issue 27). Blocks of 10 steps of the three alternate,
+the rounds going through the six orders in turn, so that each way comes first,
+middle and last equally often. Each figure is the median over rounds of the
+ratio to the explicit block of the same round (many short rounds: on a loaded
+machine one round's ratio strays by a third either way); next to it, the ratio
+of each way's fastest block to the fastest explicit one.
 
-The step: a 3-layer MLP (64 -> 128 -> 128 -> 10, batch 32), forward, cross-entropy,
-backward, SGD step: small, as in a notebook's first experiments, where the
-per-call cost weighs most. Blocks of steps with and without the mode alternate,
-the order rotating each round; each figure is the median over rounds of the
-ratio to the block without the mode next to it, in process CPU time.
+The cases (`--device`; by default cuda where there is one, else tdmdev and cpu):
+- `tdmdev`, the test device (tests/testdevice, its kernels run on the host): a
+  tiny MLP (16 -> 32 -> 32 -> 4, batch 8), where the per-call cost weighs most;
+- `cuda`: a small MLP (64 -> 128 -> 128 -> 10, batch 32), the step of issue 27;
+- `cpu`: the small MLP with the default naming the CPU (`%device cpu` itself
+  installs none), so that the figure compares with the earlier ones.
+
+Each step: a batch drawn (`randn`, `randint`), forward, cross-entropy, backward,
+SGD step. One thread. CPU and tdmdev are timed in process CPU time; CUDA in wall
+time, synchronised at the end of each block (the small step is launch-bound).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from torch_device_magic.default_device import DefaultDevice
+from torch_device_magic.default_device import DefaultDevice  # noqa: E402
 
-STEPS = 200
+WAYS = ("explicit", "%device", "torch's mode")
+ORDERS = list(itertools.permutations(WAYS))  # each way as often first, middle and last
+SIZES = {"tiny": (16, 32, 4, 8), "small": (64, 128, 10, 32)}  # in, hidden, out, batch
 
 
-def training_step():
+def training_step(dev: torch.device, size: str) -> Callable[[str], None]:
+    """One step on `dev`; called with the way it runs (explicit devices or a default)."""
+    n_in, hidden, n_out, batch = SIZES[size]
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 10),
+        torch.nn.Linear(n_in, hidden, device=dev), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden, device=dev), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, n_out, device=dev),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
 
-    def step() -> None:
+    def step(way: str) -> None:
+        if way == "explicit":
+            x = torch.randn(batch, n_in, device=dev)
+            y = torch.randint(0, n_out, (batch,), device=dev)
+        else:  # the default device fills in `device=`
+            x, y = torch.randn(batch, n_in), torch.randint(0, n_out, (batch,))
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -53,42 +75,87 @@ def training_step():
     return step
 
 
-def block(step, with_default: bool) -> float:
-    """CPU seconds per step over STEPS steps, with our default device installed or not."""
-    default = DefaultDevice()
-    if with_default:
-        default.install(torch.device("cpu"))
+def block(step: Callable[[str], None], dev: torch.device, way: str, steps: int) -> float:
+    """Seconds per step over `steps` steps run `way`."""
+    ours = DefaultDevice()
+    if way == "%device":
+        ours.install(dev)
+    elif way == "torch's mode":
+        torch.set_default_device(dev)
+    cuda = dev.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
     try:
-        start = time.process_time()
-        for _ in range(STEPS):
-            step()
-        return (time.process_time() - start) / STEPS
+        start = clock()
+        for _ in range(steps):
+            step(way)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        return (clock() - start) / steps
     finally:
-        default.release()
+        if way == "%device":
+            ours.release()
+        elif way == "torch's mode":
+            torch.set_default_device(None)
+
+
+def measure(dev: torch.device, size: str, rounds: int, steps: int) -> None:
+    step = training_step(dev, size)
+    for way in WAYS * 2:  # warm up every path
+        block(step, dev, way, 50)
+    seconds: dict[str, list[float]] = {way: [] for way in WAYS}
+    ratios: dict[str, list[float]] = {way: [] for way in WAYS[1:]}
+    for n in range(rounds):
+        times = {way: block(step, dev, way, steps) for way in ORDERS[n % len(ORDERS)]}
+        for way in WAYS:
+            seconds[way].append(times[way])
+        for way in WAYS[1:]:
+            ratios[way].append(times[way] / times["explicit"])
+    n_in, hidden, n_out, batch = SIZES[size]
+    print(f"\n{dev.type}: {size} MLP {n_in}->{hidden}->{hidden}->{n_out}, batch {batch}, "
+          f"{rounds} rounds of {steps} steps per way")
+    for way in WAYS:
+        line = f"  {way:<13} {statistics.median(seconds[way]) * 1e6:8.1f} µs per step"
+        if way in ratios:
+            r = ratios[way]
+            line += (f"   {statistics.median(r):.3f}x explicit "
+                     f"(rounds {min(r):.2f}x-{max(r):.2f}x; "
+                     f"fastest blocks {min(seconds[way]) / min(seconds['explicit']):.3f}x)")
+        print(line)
+
+
+def available(name: str) -> bool:
+    if name == "cuda":
+        return torch.cuda.is_available()
+    if name == "tdmdev":
+        sys.path.insert(0, str(ROOT / "tests"))
+        try:
+            import testdevice
+
+            testdevice.load()  # before any backward: autograd sizes its device queues then
+        except Exception as error:  # no compiler, no ninja: the case is left out
+            print(f"tdmdev: not measured ({type(error).__name__}: {error})")
+            return False
+    return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    rounds = 5 if parser.parse_args().quick else 30
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    parser.add_argument("--rounds", type=int, default=300, help="rounds (default 300)")
+    parser.add_argument("--device", action="append", choices=("tdmdev", "cuda", "cpu"),
+                        help="a case to run (repeatable); default: cuda where there is "
+                        "one, else tdmdev and cpu")
+    args = parser.parse_args()
+    rounds, steps = (6, 20) if args.quick else (args.rounds, 10)
     torch.set_num_threads(1)  # the per-call cost, not the scheduling of a thread pool
-    step = training_step()
-    for mode in (False, True, False, True):  # warm up both paths
-        block(step, mode)
-    ratios, bare, under = [], [], []
-    for n in range(rounds):
-        order = (False, True) if n % 2 == 0 else (True, False)
-        seconds = {mode: block(step, mode) for mode in order}
-        ratios.append(seconds[True] / seconds[False])
-        bare.append(seconds[False])
-        under.append(seconds[True])
-    print(f"torch {torch.__version__}, {rounds} rounds of {STEPS} steps per mode, 1 thread")
-    print(f"without a default device: {statistics.median(bare) * 1e6:7.1f} µs per step")
-    print(f"with %device's default:   {statistics.median(under) * 1e6:7.1f} µs per step")
-    print(
-        f"ratio, median over rounds: {statistics.median(ratios):.2f}x "
-        f"(rounds ranged {min(ratios):.2f}x-{max(ratios):.2f}x)"
-    )
+    print(f"torch {torch.__version__}, 1 thread")
+    # On a GPU machine the GPU's case alone (the others say nothing new there, and the
+    # test device is a C++ build of a minute).
+    for name in args.device or (("cuda",) if torch.cuda.is_available() else ("tdmdev", "cpu")):
+        if available(name):
+            measure(torch.device(name), "tiny" if name == "tdmdev" else "small", rounds, steps)
+        elif args.device:
+            sys.exit(f"{name}: not available here")
 
 
 if __name__ == "__main__":

@@ -360,3 +360,112 @@ def test_a_checkpointed_region_is_not_recomputed_to_count_its_graph(ip):
              "loss = checkpoint(block, x, use_reentrant=False).sum()")
     hidden(ip)
     assert ip.user_ns["runs"] == [1]  # the saved-tensor hooks were not run
+
+
+# --- issue 29: only what a holder alone keeps alive, found cheaply -------------------
+
+DATASET = """
+class Images:
+    def __init__(self):
+        self.images = torch.empty(2**25)  # 128 MiB
+    def __getitem__(self, i):
+        img = self.images[i * 1000:(i + 1) * 1000]
+        raise ValueError('boom')
+ds = Images()
+"""
+
+
+def test_a_datasets_views_of_its_own_images_are_not_the_tracebacks(ip, capsys):
+    """Point 2: `ds` holds the images the traceback's views share: letting go frees nothing."""
+    cell(ip, DATASET)
+    fail(ip, "ds[0]")
+    assert "the last traceback" not in capsys.readouterr().out
+    assert last(ip).notes == ()
+    assert "the last traceback" not in hidden(ip)
+    ip.run_line_magic("gpufree", "")
+    assert "released" not in capsys.readouterr().out
+    frames = [f for f, _ in __import__("traceback").walk_tb(sys.last_value.__traceback__)]
+    assert "img" in frames[-1].f_locals  # kept for %debug
+
+
+def test_a_tensor_an_object_also_holds_is_not_the_tracebacks(ip, capsys):
+    """Point 2: a Trainer's plain attribute, and a module's, hold what the frame holds."""
+    cell(ip, "class Trainer:\n    def step(self):\n        self.cache = torch.empty(2**25)\n"
+             "        act = self.cache\n        raise ValueError('boom')\n"
+             "trainer = Trainer()\nnet = torch.nn.Linear(2, 2)\n"
+             "def fwd():\n    net.cache = torch.empty(2**25)\n    act = net.cache\n"
+             "    raise ValueError('boom')")
+    for source in ("trainer.step()", "fwd()"):
+        fail(ip, source)
+        assert last(ip).notes == (), source
+        assert "the last traceback" not in hidden(ip), source
+    assert "the last traceback" not in capsys.readouterr().out
+
+
+def test_gpufree_says_what_came_back_measured(ip, capsys):
+    """Point 2: the figure is what letting go freed, not what was counted before."""
+    cell(ip, "def f():\n    act = torch.ones(MIB)\n    view = act[:10]\n"
+             "    raise ValueError('boom')".replace("MIB", str(MIB)))
+    fail(ip, "f()")
+    found = {h.name: h for h in holders.release(ip.user_ns, ip.user_ns_hidden)}
+    assert found["the last traceback"].came_back() == {"cpu": 4 * MIB}  # both gone, once
+
+
+def test_every_ipython_reference_to_a_result_is_a_holder(ip):
+    """Point 3: after `del Out[n]`, `_n`, `_` and the last result still hold it."""
+    shown = cell(ip, f"torch.ones({MIB})").execution_count
+    cell(ip, f"del Out[{shown}]")
+    assert list(hidden(ip)) == [f"_{shown}"]
+    assert hidden(ip)[f"_{shown}"].nbytes == {"cpu": 4 * MIB}
+
+
+def test_gpufree_lets_go_of_the_last_result_too(ip, capsys):
+    """Point 3: in the next cell, IPython's last execution result still holds the tensor;
+    %gpufree lets go of it as %xdel does, so the memory comes back in that cell."""
+    cell(ip, "import weakref\nrefs = []")
+    shown = cell(ip, "(lambda t: (refs.append(weakref.ref(t)), t)[1])"
+                     f"(torch.ones({MIB}))").execution_count
+    capsys.readouterr()
+    cell(ip, "%gpufree\nalive = refs[-1]() is not None")
+    assert ip.user_ns["alive"] is False
+    assert capsys.readouterr().out.startswith(f"released Out[{shown}] 4.0 MiB; ")
+
+
+def test_a_failing_cell_walks_no_namespace_and_each_object_once(ip, monkeypatch):
+    """Point 1: a traceback of 300 frames that all hold one list, beside a namespace
+    name holding 100,000 tensors: the note walks neither the namespace nor the list twice."""
+    import gc
+
+    from torch_device_magic import namespace
+
+    cell(ip, "data = [torch.zeros(1) for _ in range(100_000)]\n"
+             "def deep(items, n):\n    return deep(items, n - 1) if n else items[0].boom\n"
+             "def start():\n    return deep([torch.zeros(1) for _ in range(3000)], 300)")
+    walked = []
+    monkeypatch.setattr(namespace, "_walk", lambda *a: walked.append(a))
+    looked: dict[int, int] = {}
+    referents = gc.get_referents
+
+    def counted(*objs):
+        for obj in objs:
+            looked[id(obj)] = looked.get(id(obj), 0) + 1
+        return referents(*objs)
+
+    monkeypatch.setattr(gc, "get_referents", counted)
+    fail(ip, "start()", AttributeError)
+    assert walked == []
+    assert max(looked.values()) == 1 and len(looked) > 3000  # the list's tensors, once each
+
+
+def test_a_traceback_past_the_budget_says_nothing():
+    """Point 1: past its budget the walk stops, and the note and --hidden count nothing."""
+    def f():
+        items = [torch.zeros(1) for _ in range(50)]  # noqa: F841
+        raise ValueError("boom")
+
+    try:
+        f()
+    except ValueError as err:
+        assert holders.traceback_bytes(err, budget=1000) == {"cpu": 50 * 4}
+        assert holders.traceback_bytes(err, budget=20) is None
+        assert holders.traceback_walk(err, budget=20).kept() == {}

@@ -69,33 +69,39 @@ def test_ordinary_cells_get_no_note(ip, capsys, small):
 
 
 def test_a_large_displayed_tensor_says_out_keeps_it(ip, capsys, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")  # 16 MiB
-    n = ip.execution_count
     capsys.readouterr()
-    run(ip, "x")
+    n = run(ip, "torch.zeros(4 * 2**20)").execution_count  # 16 MiB that no name holds
     out = capsys.readouterr().out
-    expected = f"Out[{n}] keeps 16.0 MiB on cpu: end the line with ';' or del Out[{n}]"
+    expected = f"Out[{n}] keeps 16.0 MiB on cpu: end the line with ';', or %gpufree lets go of it"
     assert lines_after_report(out) == [expected]
     note = last(ip).notes[0]
     assert (note.rule, note.figure, note.where) == ("displayed", 16 * MiB, f"Out[{n}]")
-    assert ip.user_ns["Out"][n] is ip.user_ns["x"]  # the note changed nothing
+    assert ip.user_ns["Out"][n] is ip.user_ns["_"]  # the note changed nothing
+
+
+def test_a_displayed_result_that_a_name_holds_gets_no_note(ip, capsys, small):
+    """Issue 29, point 3: `del Out[n]` would free nothing while `x` holds the tensor."""
+    run(ip, "x = torch.zeros(4 * 2**20)")
+    for cell in ("x", "x[:3]", "(x, x[1:])"):
+        capsys.readouterr()
+        run(ip, cell)
+        assert last(ip).notes == (), cell
+        assert lines_after_report(capsys.readouterr().out) == [], cell
 
 
 def test_a_displayed_tuple_counts_each_storage_once(ip, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")
-    run(ip, "x, x[:10], torch.zeros(2 * 2**20)")  # the view shares x's storage
-    assert [n.figure for n in last(ip).notes] == [24 * MiB]
+    run(ip, "(lambda t: (t, t[:10], torch.zeros(2 * 2**20)))(torch.zeros(4 * 2**20))")
+    assert [n.figure for n in last(ip).notes] == [24 * MiB]  # t[:10] is t's storage
 
 
 def test_the_displayed_result_is_quiet_with_a_semicolon_and_when_advice_is_off(ip, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")
-    run(ip, "x;")
+    run(ip, "torch.zeros(4 * 2**20);")
     assert last(ip).notes == ()
     run(ip, "%config TorchDeviceMagics.advice = False")
-    run(ip, "x")
+    run(ip, "torch.zeros(4 * 2**20)")
     assert last(ip).notes == ()
     run(ip, "%config TorchDeviceMagics.advice = True")
-    run(ip, "x")
+    run(ip, "torch.zeros(4 * 2**20)")
     assert rules(ip) == ["displayed"]
 
 
@@ -109,8 +115,7 @@ def test_a_result_that_raises_when_looked_at_leaves_the_line_and_no_note(ip, cap
 
 
 def test_notes_go_to_the_csv_and_the_html_bundle(ip, tmp_path, small):
-    run(ip, "x = torch.zeros(4 * 2**20)")
-    run(ip, "x")
+    run(ip, "torch.zeros(4 * 2**20)")
     record = last(ip)
     html = record.bundle()["text/html"]
     assert html.count('class="tdm-report"') == 1 and "keeps 16.0 MiB on cpu" in html
@@ -162,6 +167,32 @@ def test_inference_is_quiet_under_no_grad_in_training_mode_and_with_backward(ip,
     assert last(ip).notes == ()
 
 
+@pytest.mark.parametrize("cell", [
+    "x = torch.randn(8192, 256, requires_grad=True)\nscores = model(x)",
+    "x = torch.randn(8192, 256).requires_grad_()\nscores = model(x)",
+    "x = torch.randn(8192, 256)\nx.requires_grad = True\nscores = model(x)",
+    "with torch.enable_grad():\n    scores = model(x)",
+])
+def test_a_cell_that_asks_for_gradients_is_not_inference(ip, small, cell):
+    """Issue 29, point 4: a saliency cell (model in eval, its input made to require
+    grad, the backward in the next cell) is not told to drop autograd."""
+    run(ip, MODEL)
+    run(ip, "model.eval()")
+    run(ip, cell)
+    assert ip.user_ns["scores"].grad_fn is not None
+    assert last(ip).notes == ()
+    run(ip, "scores.sum().backward()")  # what %%nograd would have broken
+
+
+def test_a_cell_that_asks_for_none_is_inference_still(ip, small):
+    """The other side of point 4: requires_grad=False, or an input that already
+    requires grad, is still inference with a graph kept."""
+    run(ip, MODEL)
+    run(ip, "model.eval()")
+    run(ip, "x2 = torch.randn(8192, 256, requires_grad=False)\nscores = model(x2)")
+    assert rules(ip) == ["inference"]
+
+
 # --- torch.compile -----------------------------------------------------------------------------
 
 COMPILED = """\
@@ -208,6 +239,60 @@ def test_the_recompile_limit_says_the_function_runs_uncompiled(ip):
         f"add hit the recompile limit ({limit}) and now runs uncompiled; "
         f"the last reason: k == {limit - 1}")
     assert by_rule["recompiled"].text.endswith(f"({limit} of {limit} before the recompile limit)")
+
+
+def test_two_functions_of_one_name_are_two_functions(ip):
+    """Issue 29, point 5: a GAN's G and D (one frame each) are not one function split by a
+    graph break, and their recompiles are not merged."""
+    run(ip, "class G(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n"
+            "class D(torch.nn.Module):\n    def forward(self, x):\n        return x + 1\n"
+            "g = torch.compile(G(), backend='eager', dynamic=False)\n"
+            "d = torch.compile(D(), backend='eager', dynamic=False)")
+    run(ip, "g(torch.ones(3)); d(torch.ones(3));")
+    texts = [n.text.split(": ")[0] for n in last(ip).notes]
+    assert texts == ["compiled forward (a cell's line 2)", "compiled forward (a cell's line 5)"]
+    assert all(": 1 frame in " in n.text for n in last(ip).notes)
+    run(ip, "g(torch.ones(4)); d(torch.ones(4));")
+    notes = last(ip).notes
+    assert [n.rule for n in notes] == ["recompiled", "recompiled"]
+    assert [n.where for n in notes] == ["forward (a cell's line 2)", "forward (a cell's line 5)"]
+    assert all(n.figure == 2 and " times" not in n.text for n in notes)
+
+
+def profiled(ip, cell: str):
+    """%%profile's rule 10 and the note under the same cell."""
+    advice = ip.run_cell(f"%%profile -o\n{cell}", store_history=True).result.advice
+    (rule,) = [a for a in advice if a.rule == "recompiles"]
+    return rule, {n.rule: n for n in last(ip).notes}
+
+
+def test_profiles_recompile_advice_counts_as_the_notes_do(ip):
+    """Issue 29, point 6: 3 recompiles of a function with a graph break are 3, not 6, and
+    they are the function's, not its resumed part's."""
+    run(ip, COMPILED.replace('backend="eager"', 'backend="eager", dynamic=False'))
+    rule, notes = profiled(ip, "for n in (17, 9, 5):\n    fast(torch.ones(n))")
+    assert rule.figure == 3
+    assert rule.text.startswith("torch.compile recompiled 3 times in this cell, last step "
+                                "(a cell's line 1): tensor 'x' size mismatch at index 0. "
+                                "expected 9, actual 5; keep that input fixed")
+    assert notes["recompiled"].text.startswith("recompiled step 3 times: ")
+
+
+def test_profiles_recompile_advice_says_the_limit(ip):
+    """Point 6: 7 recompiles and then the limit read 7 and the limit, never `None (:None)`."""
+    run(ip, "import torch._dynamo\nlimit = torch._dynamo.config.recompile_limit\n"
+            "def add(x, k):\n    return x + k\n"
+            "fast_add = torch.compile(add, backend='eager', dynamic=False)\n"
+            "fast_add(torch.ones(3), 0);")
+    limit = ip.user_ns["limit"]
+    rule, notes = profiled(ip, f"for k in range(1, {limit + 1}):\n    fast_add(torch.ones(3), k)")
+    assert rule.figure == limit - 1
+    assert rule.text.startswith(
+        f"torch.compile recompiled {limit - 1} times in this cell, last add (a cell's line 3): "
+        f"k == {limit - 1}; add then hit the recompile limit ({limit}) and now runs "
+        "uncompiled; keep that input fixed")
+    assert notes["recompiled"].text.startswith(f"recompiled add {limit - 1} times: ")
+    assert "recompile_limit" in notes
 
 
 @pytest.mark.slow

@@ -43,7 +43,9 @@ DEMO_LINE = "rows = [torch.randn(8) for _ in range(2000)]"
 def test_a_loop_of_tiny_ops_is_advised_one_batched_call(ip, capsys):
     ip.run_cell(f"%%profile\n{DEMO_LINE}\nsampled = torch.stack(rows)")
     out = capsys.readouterr().out
-    assert "advice" in out and "line 1 ran 2,002 times" in out and "torch.randn(2000, 8)" in out
+    assert "advice" in out and "line 1 ran 1 time (2,002 iterations of its loop" in out
+    assert "2,000 calls of aten::randn" in out
+    assert "one batched call (torch.randn(2000, 8), not torch.randn(8) 2,000 times)" in out
     assert ip.user_ns["sampled"].shape == (2000, 8)
     report = profile(ip, "", f"{DEMO_LINE}\nsampled = torch.stack(rows)")
     [tiny] = [a for a in report.advice if a.rule == "tiny ops"]
@@ -57,6 +59,75 @@ def test_one_batched_call_gets_no_tiny_ops_advice(ip, capsys, monkeypatch):
     assert "tiny ops" not in rules(report.advice)
     ip.run_cell("%%profile\nsampled = torch.randn(2000, 8) @ torch.randn(8, 8)")
     assert "advice" not in capsys.readouterr().out  # nothing crosses: no section
+
+
+def _stepped(body: list[tuple[int, str, str | None, int]], steps: int) -> tuple[Capture, float]:
+    """A cell's loop (line 1) of `steps` steps, each running `body` in order: (line, code,
+    the op it calls or None, its ns). The capture and its wall."""
+    c, t = Capture(), 0
+    for _ in range(steps + 1):  # the header's last check ends the loop
+        c.line(1, "for step in range(steps):", t, t + 100)
+        t += 100
+        if _ == steps:
+            break
+        for n, code, op, ns in body:
+            c.line(n, code, t, t + ns)
+            if op is not None:
+                c.events.append(Event(op, "op", t + 10, t + ns - 10))
+            t += ns
+    return c, t / 1e9
+
+
+def _inner(code: str, op: str, n: int = 17, ns: int = 10_000) -> list:
+    """An inner loop (line 2) over `n` items whose body (line 3) is `code`."""
+    header = (2, "for p in parameters:", None, 200)
+    return [header, (3, code, op, ns)] * n + [header]
+
+
+def _tiny(body: list, steps: int) -> list[Advice]:
+    c, wall = _stepped(body, steps)
+    return [a for a in c.advise(wall_s=wall) if a.rule == "tiny ops"]
+
+
+def test_a_parameter_update_in_a_loop_is_advised_foreach():
+    [tiny] = _tiny(_inner("p.data += -0.1 * p.grad", "aten::mul"), 100)
+    assert tiny.line == "3" and "line 3 ran 1,700 times: 1,700 calls of aten::mul" in tiny.text
+    assert "foreach=True" in tiny.text and "torch._foreach_add_" in tiny.text
+    assert "torch.randn" not in tiny.text
+
+
+def test_indexing_in_a_loop_is_advised_one_gather():
+    [tiny] = _tiny(_inner("dC[ix[k, j]] += demb[k, j]", "aten::select"), 100)
+    assert "index once with a tensor of all the indices" in tiny.text
+
+
+def test_a_line_of_unknown_kind_is_said_slow_without_an_example():
+    [tiny] = _tiny(_inner("out.append(torch.tanh(p))", "aten::tanh"), 100)
+    assert tiny.text.endswith("do the work in fewer, larger calls")
+
+
+def test_a_call_at_the_bound_is_work_not_overhead_and_below_it_is_advised():
+    at = int(profile_rules.TINY_HIT_S * 1e9)
+    assert _tiny(_inner("out.append(torch.tanh(p))", "aten::tanh", ns=at), 100) == []
+    # a busy machine's wall for a tiny op (48-65 µs a call measured on 2 loaded cores)
+    assert _tiny(_inner("out.append(torch.tanh(p))", "aten::tanh", ns=65_000), 100)
+
+
+def test_a_comprehension_counts_the_statements_runs_not_its_iterations():
+    line = "ud.append([((lr * p.grad).std() / p.data.std()).log10().item() for p in parameters])"
+    body = [(2, line, "aten::std", 1_000)] * 21 + [(3, "i += 1", None, 100)]
+    [tiny] = _tiny(body, 1001)
+    assert "line 2 ran 1,001 times (21,021 iterations of its loop or comprehension)" in tiny.text
+    assert "21,021 calls of aten::std" in tiny.text
+
+
+@pytest.mark.parametrize("body", [
+    _inner("x = layer(x)", "aten::linear"),  # 17 layers in sequence, each on the last's output
+    [(2, "y_pred = model(xx)", "aten::linear", 20_000),  # a full-batch step: once a step
+     (3, "loss = ((y_pred - yy) ** 2).mean()", "aten::mean", 2_000)],
+], ids=["a chain of layers", "a step of gradient descent"])
+def test_sequential_work_gets_no_tiny_ops_advice(body):
+    assert _tiny(body, 2000 if len(body) == 2 else 100) == []
 
 
 LOADER = """from torch.utils.data import DataLoader, Dataset
@@ -160,14 +231,16 @@ class Capture:
         self.events.append(Event(name, "line", start, end))
 
     def launch(self, op: str, kernel: str, start: int, launch_ns: int, kernel_ns: int,
-               shapes: tuple = ((64, 64), (64, 64)), parent: str | None = None) -> None:
+               shapes: tuple = ((64, 64), (64, 64)), parent: str | None = None,
+               dtypes: tuple = ()) -> None:
         self._id += 1
         op_id, cupti = self._id, 100_000 + self._id
         end = start + launch_ns + 2
         if parent is not None:
             self.events.append(Event(parent, "op", start, end + 1, shapes=shapes))
         self.events += [
-            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes),
+            Event(op, "op", start + 1, end, correlation=op_id, shapes=shapes,
+                  **({"dtypes": dtypes} if dtypes else {})),
             Event("cudaLaunchKernel", "runtime", start + 1, start + 1 + launch_ns,
                   correlation=cupti, linked=op_id),
             Event(kernel, "kernel", start + launch_ns, start + launch_ns + kernel_ns,
@@ -246,7 +319,7 @@ def test_fp32_matmuls_without_tensor_cores_are_advised_autocast():
     [tc] = [a for a in _loop(90_000).advise(wall_s=1e-3, capability=(8, 0))
             if a.rule == "tensor cores"]
     assert tc.line == "3" and tc.figure == 10
-    assert "10 matmul/conv kernels on line 3 ran without tensor cores" in tc.text
+    assert "10 matmul/conv kernels on line 3 ran in fp32 without tensor cores" in tc.text
     assert "capability 8.0" in tc.text and "set_float32_matmul_precision('high')" in tc.text
 
 
@@ -264,7 +337,7 @@ def test_a_peak_near_the_devices_memory_is_advised():
     [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=76 * GiB, total_memory=80 * GiB,
                                  reserved_bytes=78 * GiB) if a.rule == "memory"]
     assert mem.figure == pytest.approx(0.95) and mem.threshold == profile_rules.NEAR_CAPACITY
-    assert "95% of the device's 80.0 GiB (over 90%)" in mem.text
+    assert "95% of the device's 80.0 GiB (at 90% or more)" in mem.text
     assert "checkpointing" in mem.text and "expandable_segments" not in mem.text
     [mem] = [a for a in c.advise(wall_s=1e-3, peak_bytes=50 * GiB, total_memory=52 * GiB,
                                  reserved_bytes=80 * GiB) if a.rule == "memory"]
@@ -386,6 +459,35 @@ def test_on_a_gpu_fp32_matmuls_are_advised_tensor_cores(on_gpu):
 
 
 @pytest.mark.cuda
+def test_on_a_gpu_half_precision_and_tf32_are_not_advised_tensor_cores(on_gpu):
+    if torch.cuda.get_device_capability() < (7, 0):
+        pytest.skip("no tensor cores on this device")
+    on_gpu.run_cell("h = x.half()\nb = x.bfloat16()\nconv = torch.nn.Conv2d(3, 16, 3).cuda()\n"
+                    "imgs = torch.randn(8, 3, 64, 64, device='cuda')")
+    for cell in ("for _ in range(3):\n    y = h @ h", "for _ in range(3):\n    y = b @ b"):
+        assert "tensor cores" not in gpu_rules(on_gpu, cell)
+    cudnn = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True  # torch's default
+        assert "tensor cores" not in gpu_rules(on_gpu, "for _ in range(3):\n    y = conv(imgs)")
+        torch.backends.cudnn.allow_tf32 = False
+        got = gpu_rules(on_gpu, "for _ in range(3):\n    y = conv(imgs)")["tensor cores"]
+        assert "torch.backends.cudnn.allow_tf32 = True" in got.text
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_profilers_own_rows_are_no_ops(on_gpu):
+    report = profile(on_gpu, "--steps 0 --top 100",
+                     "b = x.bfloat16()\nfor _ in range(3):\n    y = (b @ b).float().sum().item()")
+    names = {r.name for r in report.analysis.ops} | {k.name for k in report.analysis.kernels}
+    assert not names & {"Activity Buffer Request", "INVALID", "Lazy Function Loading",
+                        "cuLaunchKernelEx"}
+    assert report.analysis.copies and report.analysis.copies_unsized == 0  # .item()'s sized
+
+
+@pytest.mark.cuda
 def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
     total = torch.cuda.get_device_properties(0).total_memory
     free, _ = torch.cuda.mem_get_info()
@@ -405,7 +507,8 @@ def test_on_a_gpu_a_peak_near_capacity_is_advised(on_gpu):
 def test_on_a_gpu_pageable_copies_are_advised_pinning(on_gpu):
     on_gpu.run_cell("h = torch.randn(2**20)\np = torch.randn(2**20).pin_memory()")
     got = gpu_rules(on_gpu, "a = h.to('cuda')\nb = h.to('cuda')")
-    assert got["pageable copies"].line == "1" and "4.0 MiB" in got["pageable copies"].text
+    # 2 copies of 4 MiB: kineto 2.11 gives them 0 bytes, their copy_ ops the sizes
+    assert got["pageable copies"].line == "1" and "8.0 MiB" in got["pageable copies"].text
     assert "pageable copies" not in gpu_rules(on_gpu, "a = p.to('cuda', non_blocking=True)\n"
                                                       "b = p.to('cuda', non_blocking=True)")
 

@@ -34,6 +34,8 @@ class FreeReport:
     after: dict[str, Counters]
     # what kept tensors alive behind no name: results and the traceback were let go of
     holders: list[Holder] = field(default_factory=list)
+    # per holder let go of, the bytes per device that came back (measured after collecting)
+    came_back: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def released_bytes(self) -> int:
@@ -42,9 +44,9 @@ class FreeReport:
 
     def __str__(self) -> str:
         parts = [f"garbage collected ({plural(self.collected, 'object')})"]
-        released = [h for h in self.holders if h.kind in ("result", "traceback")]
-        if released:
-            let_go = ", ".join(f"{h.name} {fmt_bytes(h.total)}" for h in released)
+        if self.came_back:
+            let_go = ", ".join(f"{name} {fmt_bytes(sum(freed.values()))}"
+                               for name, freed in self.came_back.items())
             parts.insert(0, f"released {let_go}")
         if not self.before:
             parts.append("no accelerator in use, so no allocator cache to empty")
@@ -71,15 +73,17 @@ def _less(before: Counters, after: Counters) -> int | None:
 def free_memory(let_go: Callable[[], list[Holder]] = list) -> FreeReport:
     """Run `gc.collect()`, then empty the cache of every accelerator already in use (and,
     on CUDA, release the memory of tensors shared with other processes that are gone);
-    first `let_go()` drops what it can and says what it found (`holders.release`)."""
+    first `let_go()` drops what it can and says what it found (`holders.release`), and
+    what each holder let go of freed is measured after collecting."""
     accelerators = accelerators_in_use()
     before = {a.name: a.counters() for a in accelerators}
     found = let_go()
     collected = gc.collect()
+    came_back = {h.name: h.came_back() for h in found if h.kind in ("result", "traceback")}
     for kind in dict.fromkeys(a.kind for a in accelerators):
         empty_cache(torch.device(kind))
         if kind == "cuda":
             guarded(torch.cuda.ipc_collect)
     after = {a.name: a.counters() for a in accelerators}
-    return FreeReport(collected, before, after, found)
+    return FreeReport(collected, before, after, found, came_back)
 

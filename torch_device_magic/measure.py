@@ -84,6 +84,15 @@ class Measurement:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def device_top_bytes(self) -> int | None:
+        """The device's allocated bytes at the cell's peak: what it held at the start plus
+        the peak over that (the near-capacity note's and %%profile's figure)."""
+        if None in (self.device_peak_bytes, self.device_allocated_bytes,
+                    self.device_delta_bytes):
+            return None
+        return (self.device_allocated_bytes - self.device_delta_bytes  # type: ignore[operator]
+                + self.device_peak_bytes)
+
     def largest_bytes(self) -> int:
         """The biggest memory figure of the cell (peaks, and changes either way)."""
         figures = (

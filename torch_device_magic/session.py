@@ -102,7 +102,7 @@ class Session:
             self._default.release()
         else:
             # Torch's own default already is the CPU, and an installed default device
-            # costs on every torch call (see the README's %device section): none for it.
+            # costs on every factory call (see docs/device.md): none for it.
             self._default.install(None if dev.type == "cpu" else dev)
 
     def _follow_current(self, dev: torch.device | None) -> None:

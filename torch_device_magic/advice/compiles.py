@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 UTILS = "torch._dynamo.utils"  # the module holding the records, where it was imported
@@ -82,26 +83,103 @@ def recompile_limit_reasons() -> tuple[str, list[str]]:
     return function_of(hit, everything)[0], list(dict.fromkeys(reasons))
 
 
-def function_of(entry: Any, everything: list[Any]) -> tuple[str, int | None]:
-    """The user's function an entry compiled (a graph break's resumed part counts as its
-    function), and the line a resumed part starts at."""
+Code = tuple[str, int | None, str]  # a user's function: its file, first line and name
+
+
+@dataclass
+class Function:
+    """What torch.compile did to one of the user's functions, from some of its records:
+    the function's own frame and the parts after its graph breaks (resumed frames)."""
+
+    code: Code
+    first: list[float] = field(default_factory=list)  # its frames compiled anew: their times
+    recompiles: int = 0  # times it compiled again (a resumed part recompiles with it)
+    versions: int = 0  # compiled versions it has now
+    reason: str = ""  # why it first recompiled here
+    last: str = ""  # why it last recompiled (or hit the recompile limit)
+    breaks: list[tuple[int | None, str]] = field(default_factory=list)  # (line, reason)
+    limit: str | None = None  # it hit the recompile limit: the last reason
+    cudagraphs: list[str] = field(default_factory=list)  # why CUDA graphs were skipped
+    _parts: dict[int | None, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.code[2]
+
+    def where(self) -> str:
+        """'double (a cell's line 2)', 'forward (model.py:12)'."""
+        file, line, name = self.code
+        if file.startswith("<ipython-input") or "ipykernel" in file:
+            return f"{name} (a cell's line {line})"
+        return f"{name} ({os.path.basename(file)}:{line})"
+
+
+def functions(new: list[Any], everything: list[Any]) -> list[Function]:
+    """The user's functions that `new` records compiled, each once: keyed by its code
+    (file, first line, name), never by its bare name alone (a GAN's two `forward`s are
+    two functions); a resumed part counts as its function's, a failed compile as its
+    frame's. `everything`: all records, to name those."""
+    found: dict[Code, Function] = {}
+    pending: dict[Code, str] = {}  # a graph break's reason, until its resumed part's line
+    for entry in new:
+        code, line = code_of(entry, everything)
+        f = found.setdefault(code, Function(code))
+        if hit_limit(entry):
+            f.limit = f.last = short_reason(entry.recompile_reason)
+            continue
+        first = not entry.cache_size
+        if entry.recompile_reason and not first:
+            why = short_reason(entry.recompile_reason)
+            if line is None or not f.last:  # the function's own reason over a resumed part's
+                f.last = why
+            f.reason = f.reason or why
+            f._parts[line] = f._parts.get(line, 0) + 1
+            f.recompiles = max(f._parts.values())
+            f.versions = max(f.versions, entry.cache_size + 1)
+        elif first and not entry.fail_reason:
+            f.first.append(entry.entire_frame_compile_time_s or 0.0)
+        if entry.restart_reasons and first:
+            pending[code] = short_reason(sorted(entry.restart_reasons)[0])
+        if line is not None and first and code in pending:
+            f.breaks.append((line, pending.pop(code)))
+        if getattr(entry, "cudagraph_skip_reason", None):
+            f.cudagraphs.append(short_reason(entry.cudagraph_skip_reason))
+    for code, reason in pending.items():
+        found[code].breaks.append((None, reason))  # its line is not known yet
+    return list(found.values())
+
+
+def code_of(entry: Any, everything: list[Any]) -> tuple[Code, int | None]:
+    """The user's function an entry compiled (file, first line, name), and the line a
+    resumed part starts at (None for the function's own frame)."""
     name = getattr(entry, "co_name", None)
-    if name is None:  # a failed compile: its frame's earlier records carry the name
-        frame = str(getattr(entry, "compile_id", "")).split("/")[0]
-        name = next((e.co_name for e in reversed(everything) if e.co_name
-                     and str(e.compile_id).split("/")[0] == frame), None)
-    if name is None:
-        return "a function", None
+    file = getattr(entry, "co_filename", None) or ""
+    first = getattr(entry, "co_firstlineno", None)
+    if name is None:  # a failed compile: its frame's earlier records carry the code
+        frame = _frame(entry)
+        known = next((e for e in reversed(everything) if e.co_name and _frame(e) == frame), None)
+        if known is None:
+            return ("", None, "a function"), None
+        name, file, first = known.co_name, known.co_filename or "", known.co_firstlineno
     resumed = _RESUME.match(name)
-    return (resumed.group(1), int(resumed.group(2))) if resumed else (name, None)
+    if resumed is None:
+        return (file, first, name), None
+    parent, line = resumed.group(1), int(resumed.group(2))
+    # the function it resumes: the nearest of that name in that file starting above it
+    starts = [e.co_firstlineno for e in everything if e.co_name == parent
+              and (e.co_filename or "") == file and (e.co_firstlineno or 0) <= line]
+    return (file, max(starts) if starts else None, parent), line
 
 
-def where_defined(record: Any) -> str:
-    """'double (a cell's line 2)', 'forward (model.py:12)': a compilation record's frame."""
-    file = record.co_filename or ""
-    if file.startswith("<ipython-input") or "ipykernel" in file:
-        return f"{record.co_name} (a cell's line {record.co_firstlineno})"
-    return f"{record.co_name} ({os.path.basename(file)}:{record.co_firstlineno})"
+def _frame(entry: Any) -> str:
+    return str(getattr(entry, "compile_id", "")).split("/")[0]
+
+
+def function_of(entry: Any, everything: list[Any]) -> tuple[str, int | None]:
+    """The name of the user's function an entry compiled, and the line a resumed part
+    starts at."""
+    (_, _, name), line = code_of(entry, everything)
+    return name, line
 
 
 def short_reason(text: str | None) -> str:

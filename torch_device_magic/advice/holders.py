@@ -5,26 +5,34 @@
     >>> [(h.name, h.nbytes) for h in report.holders]
     [('Out[3]', {'cpu': 1073741824})]
 
-The holders, in this order: the displayed results (`Out[n]` with its alias `_n`,
-and `_`, `__`, `___`), the last traceback (its frames' locals), the autograd graph a
-tensor keeps (a stored `loss` keeps its graph's saved activations), and optimizer
-state. Each storage counts once: not at all when a user's name holds it, else for
-the first holder that reaches it (a graph a name keeps before a result showing it).
+The holders, in this order: the autograd graph a tensor keeps (a stored `loss` keeps
+its graph's saved activations), the displayed results (IPython's references: `Out[n]`,
+`_n`, `_`, `__`, `___`, its displayhook's and its last execution result's), the last
+traceback (its functions' locals), and optimizer state. A result and the traceback count
+only what they alone keep alive, found from reference counts (`_Alone`): what a name, a
+Dataset, a Trainer or another view also holds would not come back by letting go of
+them. Each storage counts once: not at all when a user's name holds it, else for the
+first holder that reaches it.
 On an accelerator the total is set against the allocator's allocated bytes, and
 what stays unaccounted is said.
 """
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from types import FrameType
+from inspect import CO_OPTIMIZED
+from types import CodeType, FrameType, FunctionType
 from typing import Any
 
+import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import namespace as ns
 from ..devices import accelerators_in_use
@@ -34,6 +42,9 @@ from ..units import fmt_bytes, fmt_per_device
 
 Key = tuple[str, int]  # (device, storage key), as `%tensors` counts storages
 _RESULTS = ("_", "__", "___")  # IPython's last three displayed results
+_RESULT_NAMES = re.compile(r"_{1,3}|_\d+")  # its names for results in the namespace
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hold no tensor
+_NOT_LOCALS = (FrameType, FunctionType, CodeType)  # what a frame holds besides its locals
 _IPYTHONS = re.compile(r"_+|_\d+|_i+\d*|_[oid]h|_exit_code")  # its names in the namespace
 RESULT, TRACEBACK, GRAPH, STATE = "result", "traceback", "graph", "state"
 _PACKAGE = __name__.split(".")[0]  # our frames hold the shell, not the cell's data
@@ -48,10 +59,22 @@ class Holder:
     nbytes: dict[str, int]  # bytes per device, each storage counted once over all holders
     fix: str
     kind: str  # RESULT, TRACEBACK, GRAPH, STATE
+    # each storage counted: (device, bytes, a weak reference), to measure what came back
+    watch: tuple[tuple[str, int, Any], ...] = field(default=(), compare=False, repr=False)
+    ident: int | None = field(default=None, compare=False, repr=False)  # a result's id()
 
     @property
     def total(self) -> int:
         return sum(self.nbytes.values())
+
+    def came_back(self) -> dict[str, int]:
+        """Bytes per device of the storages counted here that are gone now: after
+        letting go of the holder and collecting garbage, what it freed, measured."""
+        gone: dict[str, int] = {}
+        for device, nbytes, ref in self.watch:
+            if ref.expired():
+                gone[device] = gone.get(device, 0) + nbytes
+        return gone
 
 
 @dataclass
@@ -79,39 +102,48 @@ def hidden(
     skip: Iterable[str] = (),
     error: BaseException | None = None,
     counters: dict[str, int | None] | None = None,
+    shell: Any = None,
 ) -> HiddenReport:
     """What keeps tensors alive in `namespace` apart from the user's names (those not in
     `skip`, and not IPython's: `_`, `_3`, `_i3`, ...). `error` is the last
     traceback's (default: `sys.last_value`); `counters` gives each accelerator's
     allocated bytes (None where unreadable) to reconcile the totals with (default: those
-    of the accelerators in use)."""
+    of the accelerators in use); `shell` (default: the namespace's `get_ipython()`) has
+    IPython's other references to results (its displayhook's, its last result's)."""
     users = _UserHeld(namespace, skip)
     taken = dict(users.keys)
     found: dict[str, list[Holder]] = {RESULT: [], TRACEBACK: [], GRAPH: [], STATE: []}
+    unread: list[str] = []
 
-    def add(name: str, keys: dict[Key, int], fix: str, kind: str) -> None:
+    def add(name: str, keys: dict[Key, int], fix: str, kind: str,
+            walk: _Alone | None = None, ident: int | None = None) -> None:
         mine = {k: n for k, n in keys.items() if k not in taken}
         taken.update(mine)
         if mine:
-            found[kind].append(Holder(name, _by_device(mine), fix, kind))
+            watch = walk.watch(mine) if walk is not None else ()
+            found[kind].append(Holder(name, _by_device(mine), fix, kind, watch, ident))
 
     # The graphs of the user's tensors first: a displayed `pred` that a name still
     # holds keeps its graph through the name, not through Out.
     for name, tensors in users.graphs:
         add(f"{name}'s autograd graph", _keys(graph_tensors(tensors)),
             f"del {name}, or keep {name}.detach()", GRAPH)
-    for name, obj in displayed(namespace):
-        add(name, _reached([obj]), "%gpufree", RESULT)
+    for name, ident, walk in results(namespace, skip, shell):
+        add(name, walk.kept(), "%gpufree", RESULT, walk, ident)
     if error is None:
         error = getattr(sys, "last_value", None)
     if error is not None:
-        add("the last traceback", _reached(traceback_locals(error)), "%gpufree", TRACEBACK)
+        walk = traceback_walk(error)
+        add("the last traceback", walk.kept(), "%gpufree", TRACEBACK, walk)
+        if walk.over:
+            unread.append(f"the last traceback: not counted, its frames hold more than "
+                          f"{walk.budget:,} objects; %gpufree leaves it")
     for name, keys in users.states:
         add(f"{name}'s state", keys, f"del {name} (or {name}.state.clear())", STATE)
     holders = [h for kind in found.values() for h in kind]
     if counters is None:
         counters = {a.name: a.counters().allocated_bytes for a in accelerators_in_use()}
-    reconciled = [
+    reconciled = unread + [
         _reconcile(dev, allocated, taken)
         for dev, allocated in (counters or {}).items()
         if allocated is not None
@@ -142,28 +174,156 @@ class _UserHeld:
                 self.graphs.append((name, roots))
 
 
-def displayed(namespace: dict[str, object]) -> list[tuple[str, object]]:
-    """IPython's displayed results: `Out[n]` (its alias `_n` holds the same), then `_`,
-    `__`, `___` (which repeat the last ones unless a result was deleted)."""
+class _Alone:
+    """What some references keep alive by themselves, found from reference counts.
+
+    An object counts when every reference to it (`sys.getrefcount`) comes from those
+    references or from objects that count: one a name, a Dataset or a Trainer also holds
+    never does, and is never entered, so the walk costs only what the references alone
+    hold. A storage counts when every tensor using it counts and no C++ object (an
+    autograd graph, another view) holds one: the memory that letting go frees. Past
+    `budget` objects the walk stops (`over`) and counts nothing."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.over = False
+        self._missing: dict[int, int] = {}  # object's id: its references not yet accounted for
+        self._todo: list[object] = []
+        self._tensors: list[Tensor] = []
+
+    def add(self, refs: list[object]) -> _Alone:
+        """Count the references in `refs` (an object as often as the holder refers to
+        it), then walk what they alone hold."""
+        self._reach(refs)
+        while self._todo and not self.over:
+            self._reach(gc.get_referents(self._todo.pop()))
+        return self
+
+    def _reach(self, kids: list[object]) -> None:
+        if len(self._missing) + len(kids) > self.budget:  # a list of ten million floats
+            self.over = True
+            return
+        times = Counter(map(id, kids))
+        for kid in kids:
+            c = times.pop(id(kid), 0)
+            if not c or type(kid) in _SCALARS:
+                continue
+            missing = self._missing.get(id(kid))
+            if missing is None:
+                # getrefcount counts `kids`' c references, the loop's and its argument's;
+                # and a tensor that C++ holds too (a view's base) is held by its C++ self
+                missing = sys.getrefcount(kid) - 2 - c - _held_by_cpp(kid)
+            missing -= c
+            self._missing[id(kid)] = missing
+            if missing == 0:
+                if isinstance(kid, Tensor):
+                    self._tensors.append(kid)
+                self._todo.append(kid)
+
+    def kept(self) -> dict[Key, int]:
+        """The storages only the counted tensors keep alive ({} past the budget)."""
+        if self.over:
+            return {}
+        by_storage: dict[Key, list[Tensor]] = {}
+        for t in self._tensors:
+            by_storage.setdefault((str(t.device), storage_key(t)), []).append(t)
+        return {key: storage_bytes(ts[0]) for key, ts in by_storage.items()
+                if _only_views_share(ts) and _storage_users(ts[0]) == len(ts)}
+
+    def watch(self, keys: dict[Key, int]) -> tuple[tuple[str, int, Any], ...]:
+        """A weak reference to each storage of `keys` that the walk counted."""
+        first = {(str(t.device), storage_key(t)): t for t in reversed(self._tensors)}
+        return tuple((key[0], n, StorageWeakRef(first[key].untyped_storage()))
+                     for key, n in keys.items() if key in first)
+
+
+def _held_by_cpp(obj: object) -> int:
+    """1 for a tensor that C++ holds too (torch then keeps its Python object alive)."""
+    return int(isinstance(obj, Tensor) and obj._use_count() > 1)  # type: ignore[attr-defined]
+
+
+def _only_views_share(tensors: list[Tensor]) -> bool:
+    """Whether C++ holds these tensors (of one storage) only as the bases of their views:
+    not as an autograd graph's saved tensor, nor as another object's base."""
+    bases = Counter(id(t._base) for t in tensors if t._base is not None)
+    return all(t._use_count() == 1 + bases[id(t)]  # type: ignore[attr-defined]
+               for t in tensors)
+
+
+def _storage_users(t: Tensor) -> int:
+    """How many tensors use `t`'s storage (views, a graph's saved copy); 1 for a layout
+    that has none."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return 1
+    return int(torch._C._storage_Use_Count(storage._cdata)) - 1  # less `storage` itself
+
+
+def results(
+    namespace: dict[str, object], hidden_ns: Iterable[str] = (), shell: Any = None,
+    only: int | None = None,
+) -> list[tuple[str, int, _Alone]]:
+    """IPython's displayed results, each with what IPython's references alone keep alive
+    of it: (its name, its id, the walk). IPython refers to a result from `Out[n]`, `_n`,
+    `_`, `__`, `___` (in the namespace and in `hidden_ns`, its copy), its displayhook's
+    `_`, `__`, `___` and its last execution result: a result that a name (or anything
+    else) holds too keeps nothing here. `only`: the result with that id alone."""
+    places = _result_places(namespace, hidden_ns, shell)
+    sites: dict[int, list[tuple[dict[Any, Any], Any]]] = {}
+    for names, key in places:
+        if type(names[key]) not in _SCALARS and only in (None, id(names[key])):
+            sites.setdefault(id(names[key]), []).append((names, key))
+    return [(_result_name(where), ident,
+             _Alone(WALK_LIMIT).add([names[key] for names, key in where]))
+            for ident, where in sites.items()]
+
+
+def _result_places(
+    namespace: dict[str, object], hidden_ns: Iterable[str], shell: Any
+) -> list[tuple[dict[Any, Any], Any]]:
+    """Where IPython refers to its results: (a dict, its key), `Out`'s first."""
+    if shell is None:  # the namespace's own shell, where the caller has none at hand
+        shell = getattr(namespace.get("get_ipython"), "__self__", None)
     out = namespace.get("Out")
-    found: list[tuple[str, object]] = []
+    places: list[tuple[dict[Any, Any], Any]] = []
     if isinstance(out, dict):
-        found += [(f"Out[{n}]", value) for n, value in sorted(out.items())
-                  if isinstance(n, int)]
-    return found + [(name, namespace[name]) for name in _RESULTS if name in namespace]
+        places += [(out, n) for n in sorted(k for k in out if isinstance(k, int))]
+    for names in (namespace, hidden_ns):
+        if isinstance(names, dict):
+            places += [(names, k) for k in names if _RESULT_NAMES.fullmatch(k)]
+    displayhook = getattr(shell, "displayhook", None)
+    for owner, attrs in ((displayhook, _RESULTS),
+                         (getattr(shell, "last_execution_result", None), ("result",)),
+                         (getattr(displayhook, "exec_result", None), ("result",))):
+        attributes = getattr(owner, "__dict__", {})
+        places += [(attributes, a) for a in attrs if a in attributes]
+    return list({(id(names), key): (names, key) for names, key in places}.values())
 
 
-def traceback_locals(error: BaseException) -> list[object]:
-    """The local variables that `error`'s traceback (and those it chains to) keep alive,
-    in the frames of functions: a module's frame (the cell's) holds the user's own
-    names, and IPython's frames hold the shell, not the cell's data."""
-    values: list[object] = []
-    for frame in _frames(error):
-        module = str(frame.f_globals.get("__name__", ""))
-        if frame.f_locals is frame.f_globals or module.split(".")[0] in ("IPython", _PACKAGE):
-            continue
-        values += frame.f_locals.values()
-    return values
+def _result_name(where: list[tuple[dict[Any, Any], Any]]) -> str:
+    """`Out[3]`, else `_3`, else `_` (`__`, `___`), else "the last result"."""
+    keys = [key for _, key in where]
+    numbered = [k for k in keys if isinstance(k, int)]
+    if numbered:
+        return f"Out[{numbered[0]}]"
+    names = sorted((k for k in keys if k != "result"), key=lambda k: (k in _RESULTS, k))
+    return names[0] if names else "the last result"
+
+
+def traceback_walk(error: BaseException, budget: int = WALK_LIMIT) -> _Alone:
+    """What `error`'s traceback (and those it chains to) alone keeps alive through the
+    locals of its functions' frames: a module's frame (the cell's) holds the user's own
+    names, and IPython's frames and ours hold the shell, not the cell's data. Each frame
+    is walked once, each object at most once, `budget` objects at most."""
+    frames = {id(frame): frame for frame in _frames(error)
+              if frame.f_code.co_flags & CO_OPTIMIZED
+              and str(frame.f_globals.get("__name__", "")).split(".")[0]
+              not in ("IPython", _PACKAGE)}
+    return _Alone(budget).add([
+        kid for frame in frames.values() for kid in gc.get_referents(frame)
+        if not isinstance(kid, _NOT_LOCALS)
+        and kid is not frame.f_globals and kid is not frame.f_builtins])
 
 
 def _frames(error: BaseException) -> Iterator[FrameType]:
@@ -231,20 +391,6 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     return names
 
 
-def _reached(objs: list[object]) -> dict[Key, int]:
-    """The storages `objs` hold as `%tensors` counts them, with the autograd graphs of
-    their tensors."""
-    keys: dict[Key, int] = {}
-    graphs: list[Tensor] = []
-    for obj in objs:
-        roles, roots = ns.storages(obj)
-        for found in roles.values():
-            keys.update(found)
-        graphs += roots
-    keys.update(_keys(graph_tensors(graphs)))
-    return keys
-
-
 def _keys(tensors: Iterable[Tensor]) -> dict[Key, int]:
     return {(str(t.device), storage_key(t)): storage_bytes(t) for t in tensors}
 
@@ -267,52 +413,47 @@ def _reconcile(device: str, allocated: int, keys: dict[Key, int]) -> str:
 
 
 def release(
-    namespace: dict[str, object], hidden_ns: dict[str, object], displayhook: Any = None
+    namespace: dict[str, object], hidden_ns: dict[str, object], displayhook: Any = None,
+    shell: Any = None,
 ) -> list[Holder]:
-    """Let go of the displayed results and the last traceback where they keep tensors
-    alive that no name holds (the user's own graphs and optimizer state stay); return
-    every holder found, those of kind RESULT and TRACEBACK let go of. An `Out[n]` goes
-    with its aliases: `_n`, and `_`, `__`, `___` where they are the same object, in
-    `namespace`, in `hidden_ns` (IPython's `user_ns_hidden`, which keeps a copy of each)
-    and in `displayhook` (which keeps its own `_`, `__`, `___`)."""
+    """Let go of the displayed results and the last traceback where they alone keep
+    tensors alive (the user's own graphs and optimizer state stay, and a traceback that
+    keeps nothing stays for %debug); return every holder found, those of kind RESULT and
+    TRACEBACK let go of (`Holder.came_back` then measures what that freed). A result
+    goes as IPython's `%xdel` lets go of an object: from `Out`, `_n`, `_`, `__`, `___` in
+    `namespace` and `hidden_ns`, from `displayhook` and the shell's last result."""
+    if shell is None:
+        shell = getattr(namespace.get("get_ipython"), "__self__", None)
+    if displayhook is None:
+        displayhook = getattr(shell, "displayhook", None)
     error = getattr(sys, "last_value", None)
-    found = hidden(namespace, hidden_ns, error, counters={}).holders
-    gone = [h for h in found if h.kind in (RESULT, TRACEBACK)]
-    out = namespace.get("Out")
-    dropped: list[object] = []
-    for holder in gone:
-        if holder.kind == TRACEBACK and error is not None:
-            release_frames(error)
-        elif holder.name.startswith("Out[") and isinstance(out, dict):
-            dropped.append(out.pop(int(holder.name[4:-1]), None))
+    found = hidden(namespace, hidden_ns, error, counters={}, shell=shell).holders
+    dropped = {h.ident for h in found if h.kind == RESULT}
+    if error is not None and any(h.kind == TRACEBACK for h in found):
+        release_frames(error)
+    for names, key in _result_places(namespace, hidden_ns, shell):
+        if id(names[key]) not in dropped:
+            continue
+        if names is getattr(displayhook, "__dict__", None) or key in _RESULTS:
+            names[key] = ""  # as IPython leaves them before any result
+        elif key == "result":
+            names[key] = None
         else:
-            dropped.append(namespace[holder.name])
-    dropped = [obj for obj in dropped if obj is not None]
-    for names in (namespace, hidden_ns):
-        for name in [n for n in names if n[:1] == "_" and n[1:].isdigit()]:
-            if any(names[name] is obj for obj in dropped):
-                del names[name]
-        for name in _RESULTS:
-            if any(names.get(name) is obj for obj in dropped):
-                names[name] = ""
-    for name in _RESULTS:
-        if any(getattr(displayhook, name, None) is obj for obj in dropped):
-            setattr(displayhook, name, "")
+            del names[key]
     return found
 
 
-def traceback_bytes(
-    error: BaseException,
-    namespace: dict[str, object],
-    skip: Iterable[str] = (),
-    minimum: int = 0,
-) -> dict[str, int]:
-    """Bytes per device of tensors that `error`'s traceback keeps alive in its frames'
-    locals and that no name in `namespace` (apart from those in `skip`) holds; {} where
-    they come to less than `minimum` (notes.py's note says when they are worth saying)."""
-    keys = _reached(traceback_locals(error))
-    if sum(keys.values()) < minimum:  # the usual failing cell: the namespace is not walked
-        return {}
-    held = _UserHeld(namespace, skip).keys
-    keys = {k: n for k, n in keys.items() if k not in held}
-    return _by_device(keys) if sum(keys.values()) >= minimum else {}
+def traceback_bytes(error: BaseException, budget: int = WALK_LIMIT) -> dict[str, int] | None:
+    """Bytes per device of tensors that `error`'s traceback alone keeps alive in its
+    frames' locals; None where its frames hold more than `budget` objects."""
+    walk = traceback_walk(error, budget)
+    return None if walk.over else _by_device(walk.kept())
+
+
+def result_bytes(
+    namespace: dict[str, object], hidden_ns: Iterable[str], shell: Any, ident: int
+) -> tuple[str, dict[str, int]] | None:
+    """The name IPython gives the result with id `ident` and the bytes per device that
+    IPython's references alone keep alive of it; None where IPython holds no such result."""
+    found = results(namespace, hidden_ns, shell, only=ident)
+    return (found[0][0], _by_device(found[0][2].kept())) if found else None

@@ -33,7 +33,7 @@ from ..probes import free_and_total, guarded, nvml_busy_percent
 from ..units import fmt_bytes, fmt_per_device, fmt_seconds
 from . import compiles
 from .compiles import UTILS
-from .holders import traceback_bytes
+from .holders import result_bytes, traceback_bytes
 from .thresholds import (
     BUSY_LOW,
     BUSY_MIN_S,
@@ -44,6 +44,7 @@ from .thresholds import (
     INFERENCE_MIN_BYTES,
     NEAR_CAPACITY_SHARE,
     TRACEBACK_MIN_BYTES,
+    capacity_share,
 )
 
 _log = logging.getLogger(__name__)
@@ -71,23 +72,29 @@ class Note:
 
 def near_capacity(device: str, peak_bytes: int, total_bytes: int) -> Note | None:
     """The cell's peak reached NEAR_CAPACITY_SHARE of the device's memory."""
-    share = peak_bytes / total_bytes
-    if share < NEAR_CAPACITY_SHARE:
+    share = capacity_share(peak_bytes, total_bytes)
+    if share is None:
         return None
     return Note("near_capacity", f"peak at {share:.0%} of {device}: a larger batch will likely "
                 "run out of memory; see %%profile --memory", share, NEAR_CAPACITY_SHARE, device)
 
 
 def displayed(name: str, nbytes: int, device: str, total_bytes: int | None) -> Note | None:
-    """The displayed result (`Out[n]`, `_`) keeps `nbytes` of tensors alive on `device`."""
-    limit = DISPLAYED_MIN_BYTES
-    if total_bytes:
-        limit = min(limit, int(DISPLAYED_SHARE * total_bytes))
+    """The displayed result (`Out[n]`, `_`) alone keeps `nbytes` of tensors alive on
+    `device`. Not `del Out[n]`: `_n`, `_` and the last result keep it too."""
+    limit = _displayed_limit(total_bytes)
     if nbytes < limit:
         return None
-    fix = "end the line with ';'" + (f" or del {name}" if name.startswith("Out[") else "")
-    return Note("displayed", f"{name} keeps {fmt_bytes(nbytes)} on {device}: {fix}",
-                nbytes, limit, name)
+    return Note("displayed", f"{name} keeps {fmt_bytes(nbytes)} on {device}: end the line "
+                "with ';', or %gpufree lets go of it", nbytes, limit, name)
+
+
+def _displayed_limit(total_bytes: int | None) -> int:
+    """A displayed result this large is said: DISPLAYED_MIN_BYTES, or DISPLAYED_SHARE
+    of an accelerator's memory where that is less."""
+    if total_bytes:
+        return min(DISPLAYED_MIN_BYTES, int(DISPLAYED_SHARE * total_bytes))
+    return DISPLAYED_MIN_BYTES
 
 
 def inference(names: list[str], nbytes: int) -> Note | None:
@@ -191,9 +198,8 @@ class Advisor:
     def _notes(self, record: Any, result: Any, utils: Any) -> Iterator[Note]:
         if utils is not None:
             yield from self._compilations(utils)
-        value = getattr(result, "result", None)
-        if value is not None:
-            found = self._displayed(value, getattr(result, "execution_count", None))
+        if getattr(result, "result", None) is not None:  # no name here: it would hold it
+            found = self._displayed(result)
             if found is not None:
                 yield found
         kept = max(record.device_delta_bytes or 0, record.host_delta_bytes or 0)
@@ -218,9 +224,7 @@ class Advisor:
     def _traceback(self, error: BaseException) -> Note | None:
         """What a failing cell's traceback keeps alive (the out-of-memory hint, made
         before the notes, has cleared its frames already)."""
-        shell = self._shell
-        return traceback_kept(traceback_bytes(
-            error, shell.user_ns, shell.user_ns_hidden, TRACEBACK_MIN_BYTES))
+        return traceback_kept(traceback_bytes(error) or {})
 
     def _busy(self, record: Any) -> Note | None:
         """Read how busy the cell's GPU was over the cell (NVML), into the record."""
@@ -238,31 +242,38 @@ class Advisor:
         return self._totals[device]
 
     def _near_capacity(self, record: Any) -> Note | None:
-        if record.device_allocated_bytes is None or record.device_delta_bytes is None:
-            return None
+        peak = record.device_top_bytes()
         total = self.total_bytes(record.device)
-        if not total:
+        if peak is None or not total:
             return None
-        start = record.device_allocated_bytes - record.device_delta_bytes
-        return near_capacity(record.device, start + record.device_peak_bytes, total)
+        return near_capacity(record.device, peak, total)
 
-    def _displayed(self, value: object, cell: int | None) -> Note | None:
-        held = _tensor_bytes(value)
-        if not held:
+    def _displayed(self, result: Any) -> Note | None:
+        """The cell's result, where IPython's references to it alone keep it alive (a
+        result that a name holds, `x` or `x[:3]`, gets none: deleting it frees nothing).
+        The result's tensors are summed first, which costs nothing on a small one."""
+        held = _tensor_bytes(result.result)
+        if all(n < _displayed_limit(self.total_bytes(d)) for d, n in held.items()):
             return None
-        device, nbytes = max(held.items(), key=lambda item: item[1])
-        out = self._shell.user_ns.get("Out", {})
-        name = f"Out[{cell}]" if cell is not None and out.get(cell) is value else "_"
+        shell = self._shell
+        found = result_bytes(shell.user_ns, shell.user_ns_hidden, shell, id(result.result))
+        if not found or not found[1]:
+            return None
+        name, alone = found
+        device, nbytes = max(alone.items(), key=lambda item: item[1])
         return displayed(name, nbytes, device, self.total_bytes(device))
 
     def _inference(self, source: str) -> Note | None:
         """A cell that called modules, all in eval mode, and no backward, whose new names
-        carry an autograd graph."""
+        carry an autograd graph, and that asked for no gradient (a saliency map's input
+        made with requires_grad=True wants its graph for the next cell's backward)."""
         if "backward" in source or not torch.is_grad_enabled():
             return None
         try:
             tree = ast.parse(source)
         except SyntaxError:  # a cell magic's text, or IPython's own syntax
+            return None
+        if _asks_for_gradients(tree):
             return None
         ns = self._shell.user_ns
         modules = [m for m in _called(tree, ns) if isinstance(m, torch.nn.Module)]
@@ -292,40 +303,21 @@ def _our_pids() -> set[int]:
 
 
 def _compile_notes(new: list[Any], everything: list[Any], limit: int | None) -> Iterator[Note]:
-    """Per function: its first compiles, its recompiles (one note: the first reason, how
-    many), its graph breaks (a break's resumed part is compiled anew only the first
-    time), the recompile limit, skipped CUDA graphs."""
-    frames: dict[str, list[float]] = {}  # first compiles per function: their times
-    again: dict[str, tuple[str, int, int]] = {}  # recompiles: the last reason, count, times
-    breaks: dict[str, str] = {}  # a function's graph-break reason, waiting for its line
-    notes: list[Note] = []
-    for entry in new:
-        function, line = compiles.function_of(entry, everything)
-        fail = entry.fail_reason or ""
-        if compiles.hit_limit(entry):
-            why = compiles.short_reason(entry.recompile_reason)
-            notes.append(recompile_limit(function, limit, why))
-            continue
-        first = not entry.cache_size
-        if entry.recompile_reason and not first:
-            first_why = compiles.short_reason(entry.recompile_reason)
-            why, count, times = again.get(function, (first_why, 0, 0))
-            # A resumed part recompiles with its function: one recompile of the function.
-            again[function] = (why, max(count, entry.cache_size + 1), times + (line is None))
-        elif first and not fail:
-            frames.setdefault(function, []).append(entry.entire_frame_compile_time_s or 0.0)
-        if entry.restart_reasons and first:
-            breaks[function] = compiles.short_reason(sorted(entry.restart_reasons)[0])
-        if line is not None and first and function in breaks:
-            notes.append(graph_break(function, line, breaks.pop(function)))
-        if getattr(entry, "cudagraph_skip_reason", None):
-            skipped = compiles.short_reason(entry.cudagraph_skip_reason)
-            notes.append(cudagraphs_skipped(function, skipped))
-    yield from (compiled(f, len(times), sum(times)) for f, times in frames.items())
-    yield from (recompiled(f, why, count, limit, times)
-                for f, (why, count, times) in again.items())
-    yield from (graph_break(f, None, why) for f, why in breaks.items())  # line unknown
-    yield from notes
+    """Per function (its code: two `forward`s are two): its first compiles, its
+    recompiles (one note: the first reason, how many), its graph breaks, the recompile
+    limit, skipped CUDA graphs. A name that two functions share says where each is."""
+    found = compiles.functions(new, everything)
+    names = [f.name for f in found]
+    label = {id(f): f.where() if names.count(f.name) > 1 else f.name for f in found}
+    yield from (compiled(label[id(f)], len(f.first), sum(f.first)) for f in found if f.first)
+    yield from (recompiled(label[id(f)], f.reason, f.versions, limit, f.recompiles)
+                for f in found if f.recompiles)
+    for f in found:
+        yield from (graph_break(label[id(f)], line, why) for line, why in f.breaks)
+    yield from (recompile_limit(label[id(f)], limit, f.limit)
+                for f in found if f.limit is not None)
+    for f in found:
+        yield from (cudagraphs_skipped(label[id(f)], why) for why in f.cudagraphs)
 
 
 def _total_bytes(device: str) -> int | None:
@@ -375,6 +367,26 @@ def _assigned(tree: ast.AST) -> list[str]:
                 if isinstance(sub, ast.Name):
                     names[sub.id] = None
     return list(names)
+
+
+def _asks_for_gradients(tree: ast.AST) -> bool:
+    """Whether a cell makes or sets a leaf with requires_grad (`requires_grad=True`,
+    `.requires_grad_()`, `x.requires_grad = True`) or enables autograd itself
+    (`torch.enable_grad`, `set_grad_enabled`): what it runs is not inference."""
+    for node in ast.walk(tree):
+        made = (isinstance(node, ast.keyword) and node.arg == "requires_grad"
+                and not _is_false(node.value))
+        enabled = isinstance(node, ast.Attribute) and node.attr in (
+            "requires_grad_", "enable_grad", "set_grad_enabled")
+        set_ = isinstance(node, ast.Assign) and not _is_false(node.value) and any(
+            isinstance(t, ast.Attribute) and t.attr == "requires_grad" for t in node.targets)
+        if made or enabled or set_:
+            return True
+    return False
+
+
+def _is_false(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is False
 
 
 def _called(tree: ast.AST, ns: dict[str, Any]) -> Iterator[Any]:

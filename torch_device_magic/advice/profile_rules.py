@@ -9,6 +9,7 @@ note under a cell and this advice say the same thing).
 
 from __future__ import annotations
 
+import ast
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..units import fmt_bytes, fmt_seconds, plural
 from . import compiles
 from .thresholds import (
+    COLD_RUN,
     CPU_OPS_SHARE,
     DATA_PARALLEL_GPUS,
     DEVICE_BUSY,
@@ -30,19 +32,36 @@ from .thresholds import (
     TINY_HIT_S,
     TINY_HITS,
     TINY_SHARE,
+    WARM_UP_LINE,
+    WARM_UP_WALL,
+    capacity_share,
 )
 
 if TYPE_CHECKING:
     from ..profile.events import Analysis, Event
 
-_MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
                      "aten::linear", "aten::convolution", "aten::_convolution",
-                     "aten::cudnn_convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d"})
-# kernel names of tensor-core GEMMs and convolutions (tb's list, and later archs'); an
-# xmma kernel of f32f32 types alone is not one
-_TENSOR_CORE_MARKS = ("884", "1688", "16816", "8816", "hmma", "wmma", "tensorop", "gmma",
-                      "tf32", "f16", "implicit_gemm")
-_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "hipLaunchKernel")
+                     "aten::cudnn_convolution", "aten::conv1d", "aten::conv2d",
+                     "aten::conv3d"})
+# the ops whose fp32 inputs take tensor cores under torch.backends.cuda.matmul's TF32; the
+# other MATMULS are convolutions, under torch.backends.cudnn's
+_CUBLAS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+                     "aten::linear"})
+_REDUCED = ("c10::Half", "c10::BFloat16", "c10::Float8")  # kineto's dtype names: tensor cores
+# kernel names, the second signal only (they change with every cuBLAS release): marks of a
+# tensor-core GEMM or convolution (Volta's to Hopper's: nvjet is cuBLASLt's on sm90), and of
+# the FMA units' (an xmma kernel of f32f32 types with ffma, an sgemm)
+_TENSOR_CORE_MARKS = ("nvjet", "tf32", "hmma", "gmma", "wmma", "tensorop", "884", "1688",
+                      "16816", "bf16", "f16")
+_NO_TENSOR_CORE_MARKS = ("ffma", "sgemm")
+_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+           "hipLaunchKernel")
+# first-call loading: CUDA's lazy module loading (CUPTI's rows), the driver's module loads,
+# torch.compile's compiling (its dynamo_timed ranges)
+_LOADING = frozenset({"Lazy Function Loading", "Runtime Triggered Module Loading"})
+_LOADING_CALLS = ("cuModuleLoad", "cuLibraryLoad")
+_COMPILING = " (dynamo_timed)"
 
 
 @dataclass(slots=True)
@@ -65,11 +84,16 @@ class Setting:
     threads: int = 1  # torch.get_num_threads()
     cuda: bool = False  # CUDA was in use
     capability: tuple[int, int] | None = None
+    tf32_matmul: bool = False  # torch.backends.cuda.matmul.allow_tf32 (precision 'high')
+    tf32_conv: bool = True  # torch.backends.cudnn.allow_tf32 (torch's default: on)
     total_memory: int | None = None  # the device's
-    peak_bytes: int | None = None  # the cell's peak allocated on the device
+    peak_bytes: int | None = None  # allocated on the device at the cell's peak
+    # (Measurement.device_top_bytes: what it held before, and the peak over that)
     reserved_bytes: int | None = None  # reserved by the caching allocator at the end
     cudnn_benchmark: bool = False
-    recompiles: list[tuple[str, str]] = field(default_factory=list)  # (function, reason)
+    # torch.compile's functions that recompiled or hit the recompile limit in the cell
+    recompiles: list[compiles.Function] = field(default_factory=list)
+    recompile_limit: int | None = None
     largest: tuple[str, int, str] | None = None  # --memory: the largest allocation's line,
     # its bytes and its code
     gpus: int = 0  # CUDA's devices, where CUDA is initialised
@@ -84,11 +108,12 @@ def read_setting(
     import torch
 
     before = {id(r) for r in compiled_before}
-    recompiles = [(compiles.where_defined(r), r.recompile_reason) for r in compiles.records()
-                  if id(r) not in before and getattr(r, "recompile_reason", None)]
+    everything = compiles.records()
+    recompiled = [f for f in compiles.functions([r for r in everything if id(r) not in before],
+                                                everything) if f.recompiles or f.limit]
     setting = Setting(wall_s, cores(), torch.get_num_threads(), cuda, peak_bytes=peak_bytes,
                       cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
-                      recompiles=recompiles)
+                      recompiles=recompiled, recompile_limit=compiles.recompile_limit())
     if torch.cuda.is_initialized():  # never the call that starts CUDA
         setting.gpus = torch.cuda.device_count()
     if cuda:
@@ -96,6 +121,8 @@ def read_setting(
         setting.capability = (props.major, props.minor)
         setting.total_memory = props.total_memory
         setting.reserved_bytes = torch.cuda.memory_reserved()
+        setting.tf32_matmul = bool(torch.backends.cuda.matmul.allow_tf32)
+        setting.tf32_conv = bool(torch.backends.cudnn.allow_tf32)
     return setting
 
 
@@ -127,6 +154,7 @@ def advise(
     for e in events:  # one pass: a capture may hold 100,000 events
         by_kind[e.kind].append(e)
     facts = _Facts(by_kind, analysis, line_names, setting)
+    facts.loading, facts.loaded = _loading(facts)
     return [a for rule in RULES if (a := rule(facts)) is not None]
 
 
@@ -136,6 +164,20 @@ class _Facts:
     analysis: Analysis
     line_names: dict[str, tuple[str, str]]
     setting: Setting
+    loading: dict[str | None, int] = field(default_factory=dict)  # a line range's
+    # first-call loading (ns)
+    loaded: list[str] = field(default_factory=list)  # what loaded: its kinds, in words
+
+    def cold(self) -> bool:
+        """Most of the run was first-call loading: its launch and host figures mislead."""
+        wall = self.events_wall()  # the loading is the events': like with like
+        return bool(wall) and sum(self.loading.values()) / 1e9 >= COLD_RUN * wall
+
+    def warm_up_lines(self) -> set[str | None]:
+        """The line ranges most of whose wall was first-call loading."""
+        walls = {r.where: r.wall_s for r in self.analysis.lines}
+        return {name for name, ns in self.loading.items()
+                if ns / 1e9 >= WARM_UP_LINE * walls.get(self.where(name) or "", 0.0)}
 
     def where(self, line: str | None) -> str | None:
         """The cell's line ('3') of a line range's name."""
@@ -153,24 +195,158 @@ class _Facts:
         return [e for kind in kinds for e in self.by_kind.get(kind, ())]
 
 
+def _loading(f: _Facts) -> tuple[dict[str | None, int], list[str]]:
+    """Each line range's first-call loading: CUDA's lazy loading of a kernel's module (a
+    first cuBLAS or cuDNN call's, an autotuner's candidates' too), the driver's module
+    loads, compiling; the outermost of nested ones, by the line that ran at its start.
+    And what loaded, in words."""
+    found = [e for e in f.of_kind("overhead") if e.name in _LOADING]
+    found += [e for e in f.of_kind("runtime") if e.name.startswith(_LOADING_CALLS)]
+    kinds = ["CUDA loading kernels"] if found else []  # a first cuBLAS/cuDNN call's too
+    compiling = [e for e in f.of_kind("op") if e.name.endswith(_COMPILING)]
+    kinds += ["torch.compile compiling"] if compiling else []
+    found += compiling
+    line_at = f.analysis.line_at or (lambda t: None)
+    out: dict[str | None, int] = defaultdict(int)
+    end = -1
+    for e in sorted(found, key=lambda e: (e.start_ns, -e.end_ns)):
+        if e.start_ns >= end:  # not inside the last one counted
+            out[line_at(e.start_ns)] += e.end_ns - e.start_ns
+            end = e.end_ns
+    return dict(out), kinds
+
+
+def warm_up(f: _Facts) -> Advice | None:
+    """Ours: a run whose time went to first-call loading, which a second run does not pay."""
+    wall, total = f.events_wall(), sum(f.loading.values()) / 1e9
+    if not wall or total < WARM_UP_WALL * wall:
+        return None
+    line = f.top_line(f.loading)
+    said = (f"{fmt_seconds(total)} ({total / wall:.0%} of the wall, over "
+            f"{WARM_UP_WALL:.0%}){_on(line)} went to first-call loading "
+            f"({' and '.join(f.loaded)})")
+    rest = ("this was a cold first run, whose launch and host figures do not hold"
+            if f.cold() else "a cost of the first run only")
+    return Advice("warm-up", total / wall, WARM_UP_WALL, line, (
+        f"{said}: {rest}; run the cell again for a warm run's figures"))
+
+
 def _on(line: str | None) -> str:
     return f" on line {line}" if line is not None else ""
 
 
 def tiny_ops(f: _Facts) -> Advice | None:
-    """Rule 6 (ours): a line run thousands of times, each a few µs of tiny ops."""
+    """Rule 6 (ours): many calls of the same small op, each a few µs, on independent data:
+    a line that runs many times a step of the cell's loop (an inner loop, a comprehension),
+    and not a chain where each run takes the last one's result (x = layer(x)); the remedy
+    from what the line does."""
     wall = f.setting.wall_s
+    if not wall or f.cold():
+        return None
+    steps, names = _steps(f), {w: n for n, (w, _) in f.line_names.items()}
+    counts = None
     for row in sorted(f.analysis.lines, key=lambda r: -r.wall_s):
-        if row.hits < TINY_HITS or not row.cpu_s or not wall:
+        name = names.get(row.where)
+        if (name is None or row.hits / steps <= 1 or row.wall_s / wall < TINY_SHARE
+                or _chained(row.code)):
             continue
-        each, share = row.wall_s / row.hits, row.wall_s / wall
-        if each < TINY_HIT_S and share >= TINY_SHARE:
-            return Advice("tiny ops", share, TINY_SHARE, row.where, (
-                f"line {row.where} ran {row.hits:,} times at {fmt_seconds(each)} a time: "
-                f"{share:.0%} of the wall (over {TINY_SHARE:.0%}) is per-call overhead of tiny "
-                "ops; make them one batched call (torch.randn(2000, 8), not torch.randn(8) in "
-                "a loop of 2000)"))
+        counts = counts or _LineCounts(f)
+        op, calls, runs = counts.of(name, row.hits)
+        each, share = row.wall_s / calls, row.wall_s / wall
+        if calls < TINY_HITS or each >= TINY_HIT_S:
+            continue
+        ran = (f"ran {plural(runs, 'time')} ({row.hits:,} iterations of its loop or "
+               f"comprehension)" if runs != row.hits else f"ran {row.hits:,} times")
+        what = f"{calls:,} calls of {op} at {fmt_seconds(each)} a call" if op else (
+            f"at {fmt_seconds(each)} a time")
+        return Advice("tiny ops", share, TINY_SHARE, row.where, (
+            f"line {row.where} {ran}: {what} took {share:.0%} of the wall (over "
+            f"{TINY_SHARE:.0%}), mostly the per-call overhead of small ops; "
+            f"{_batched(f, row.code, op, calls // runs)}"))
     return None
+
+
+def _steps(f: _Facts) -> int:
+    """How many steps the cell's outermost loop ran (its header's hits less its last
+    check; 1 without a loop): a line that runs once a step is sequential work."""
+    headers = [r.hits - 1 for r in f.analysis.lines
+               if r.where.isdigit() and r.code.lstrip().startswith(("for ", "while "))]
+    return max(min(headers, default=1), 1)
+
+
+class _LineCounts:
+    """Per line range, counted once over the events: its events, its statement runs
+    (consecutive events of one range are one run: a comprehension's iterations), and the
+    ops it called at the top (not inside another op)."""
+
+    def __init__(self, f: _Facts) -> None:
+        self.events: Counter[str] = Counter()
+        self.runs: Counter[str] = Counter()
+        last = None
+        for e in sorted(f.of_kind("line"), key=lambda e: e.start_ns):
+            self.events[e.name] += 1
+            self.runs[e.name] += e.name != last
+            last = e.name
+        self.ops: dict[str, Counter[str]] = defaultdict(Counter)
+        for e in f.of_kind("op"):
+            if e.line is not None and (e.parent is None or e.parent.kind == "line"):
+                self.ops[e.line][e.name] += 1
+
+    def of(self, name: str, hits: int) -> tuple[str | None, int, int]:
+        """A line range's most called op, its calls and the line's runs, over every step:
+        the events' counts scaled by the line's hits where the events cover fewer steps."""
+        if not self.events[name]:
+            return None, hits, hits
+        scale = hits / self.events[name]
+        runs = max(round(self.runs[name] * scale), 1)
+        if not self.ops[name]:
+            return None, hits, runs
+        op, n = self.ops[name].most_common(1)[0]
+        return op, round(n * scale), runs
+
+
+def _chained(code: str) -> bool:
+    """An assignment whose value reads the name it binds (x = layer(x)): each run takes
+    the last one's result, so the runs cannot be one call."""
+    try:
+        tree = ast.parse(code.strip())
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            bound = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if bound & {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}:
+                return True
+    return False
+
+
+_FACTORIES = frozenset({"aten::randn", "aten::rand", "aten::randint", "aten::zeros",
+                        "aten::ones", "aten::empty", "aten::full", "aten::arange",
+                        "aten::randperm", "aten::normal", "aten::linspace", "aten::eye"})
+_INDEXING = frozenset({"aten::index", "aten::index_put_", "aten::select", "aten::slice",
+                       "aten::index_select", "aten::gather", "aten::masked_select"})
+
+
+def _batched(f: _Facts, code: str, op: str | None, per_run: int) -> str:
+    """The remedy for what the line does: a parameter update, a factory call, indexing;
+    without an example where its kind is not known."""
+    if ".grad" in code and ("+=" in code or "-=" in code or "_(" in code):
+        return ("update every parameter in one call: an optimizer with foreach=True "
+                "(torch.optim.SGD(parameters, lr=..., foreach=True)), or "
+                "torch._foreach_add_(params, grads, alpha=-lr)")
+    if op in _FACTORIES:
+        fn = "torch." + op.removeprefix("aten::")
+        shape = max((c.shapes[0] for c in f.of_kind("op") if c.parent is not None
+                     and c.parent.name == op and c.shapes and c.shapes[0]), default=None)
+        if shape is not None and per_run > 1:
+            dims = ", ".join(map(str, shape))
+            return (f"make them one batched call ({fn}({per_run}, {dims}), not {fn}({dims}) "
+                    f"{per_run:,} times)")
+        return f"make them one batched call ({fn} with a leading dimension for the count)"
+    if op in _INDEXING:
+        return ("index once with a tensor of all the indices (x[idx], torch.gather, or "
+                "index_add_ to accumulate), not one element a call")
+    return "do the work in fewer, larger calls"
 
 
 def input_pipeline(f: _Facts) -> Advice | None:
@@ -226,7 +402,11 @@ def device_waits(f: _Facts) -> Advice | None:
         return Advice("device waits (sync)", busy, DEVICE_BUSY, None, head + (
             f"the host waited for it: {a.stalls[0]}; keep values on the device until the "
             "end of the loop"))
-    kernels = sorted(f.of_kind("kernel"), key=lambda e: e.start_ns)
+    if f.cold():  # the warm-up rule says why, and to run it again
+        return None
+    warm = f.warm_up_lines()  # no launch or host advice on a line that was loading
+    kernels = sorted((k for k in f.of_kind("kernel") if k.line not in warm),
+                     key=lambda e: e.start_ns)
     launches = {e.correlation: e for e in f.of_kind("runtime") if e.name in _LAUNCH}
     short = [k for k in kernels if (r := launches.get(k.correlation)) is not None
              and k.end_ns - k.start_ns < r.end_ns - r.start_ns]
@@ -243,6 +423,8 @@ def device_waits(f: _Facts) -> Advice | None:
         if d.start_ns > end:  # idle: the line the host ran meanwhile held it
             gaps[line_at((end + d.start_ns) // 2)] += d.start_ns - end
         end = max(end, d.end_ns)
+    if [gaps.pop(name) for name in warm if name in gaps] and not gaps:
+        return None  # idle only while lines were loading
     line = f.top_line(gaps)
     held = f", most while line {line} ran" if line is not None else ""
     return Advice("device waits (host)", busy, DEVICE_BUSY, line, head + (
@@ -251,37 +433,64 @@ def device_waits(f: _Facts) -> Advice | None:
 
 
 def tensor_cores(f: _Facts) -> Advice | None:
-    """Rule 3 (tb): fp32 matmuls and convolutions with no tensor-core kernels."""
+    """Rule 3 (tb): fp32 matmuls and convolutions with TF32 off, so no tensor cores."""
     cap = f.setting.capability
     if cap is None or cap < TENSOR_CORES:
         return None
     by_id = {e.correlation: e for e in f.of_kind("op") if e.correlation}
-    mats = []
+    without: list[tuple[Event, Event]] = []  # (kernel, its matmul or convolution)
     for k in f.of_kind("kernel"):
         op = by_id.get(k.linked)
-        while op is not None and op.name not in _MATMUL:
+        while op is not None and op.name not in MATMULS:
             op = op.parent
-        if op is not None:
-            mats.append(k)
-    names = {k.name.lower() for k in mats}  # a few distinct kernels, launched many times
-    if not mats or any(m in n for n in names for m in _TENSOR_CORE_MARKS):
+        if op is None:
+            continue
+        uses = _op_tensor_cores(op, f.setting)
+        if uses is None:
+            uses = _kernel_tensor_cores(k.name)
+        if uses is False:
+            without.append((k, op))
+    if not without:
         return None
-    lines = sorted({w for k in mats if (w := f.where(k.line)) is not None}, key=_line_key)
+    lines = sorted({w for k, _ in without if (w := f.where(k.line)) is not None}, key=_line_key)
     said = f" on line{'s' if len(lines) > 1 else ''} {', '.join(lines)}" if lines else ""
-    return Advice("tensor cores", float(len(mats)), 0.0, lines[0] if lines else None, (
-        f"{len(mats):,} matmul/conv kernels{said} ran without tensor cores on a device of "
-        f"compute capability {cap[0]}.{cap[1]} (7.0 has them): torch.autocast('cuda', "
-        "dtype=torch.bfloat16) (float16 with a GradScaler before 8.0), or "
-        "torch.set_float32_matmul_precision('high')"))
+    conv = ("; for convolutions, torch.backends.cudnn.allow_tf32 = True"
+            if any(op.name not in _CUBLAS for _, op in without) else "")
+    return Advice("tensor cores", float(len(without)), 0.0, lines[0] if lines else None, (
+        f"{len(without):,} matmul/conv kernels{said} ran in fp32 without tensor cores on a "
+        f"device of compute capability {cap[0]}.{cap[1]} (7.0 has them): torch.autocast("
+        "'cuda', dtype=torch.bfloat16) (float16 with a GradScaler before 8.0), or "
+        f"torch.set_float32_matmul_precision('high'){conv}"))
+
+
+def _op_tensor_cores(op: Event, s: Setting) -> bool | None:
+    """Whether a matmul or convolution ran on tensor cores, from what it ran with: its
+    inputs' dtypes and torch's TF32 setting for it; None where its inputs say nothing
+    (not recorded, or float64, integers)."""
+    dtypes = [d for shape, d in zip(op.shapes, op.dtypes) if shape]  # tensors', not scalars
+    if any(d.startswith(_REDUCED) for d in dtypes):
+        return True
+    if not dtypes or any(d != "float" for d in dtypes):
+        return None
+    return s.tf32_matmul if op.name in _CUBLAS else s.tf32_conv
+
+
+def _kernel_tensor_cores(name: str) -> bool | None:
+    """The second signal: what a kernel's name says, where it says anything."""
+    name = name.lower()
+    if any(m in name for m in _TENSOR_CORE_MARKS):
+        return True
+    if any(m in name for m in _NO_TENSOR_CORE_MARKS):
+        return False
+    return None
 
 
 def memory(f: _Facts) -> Advice | None:
-    """Rule 4 (tb): the peak near the device's memory."""
+    """Rule 4 (tb): the peak near the device's memory, by the test of the note under a
+    cell (thresholds.capacity_share) on the same figure."""
     s = f.setting
-    if not s.peak_bytes or not s.total_memory:
-        return None
-    share = s.peak_bytes / s.total_memory
-    if share <= NEAR_CAPACITY:
+    share = capacity_share(s.peak_bytes, s.total_memory)
+    if share is None or s.peak_bytes is None or s.total_memory is None:
         return None
     frag = ""
     if s.reserved_bytes and s.reserved_bytes > FRAGMENTED * s.peak_bytes:
@@ -293,8 +502,8 @@ def memory(f: _Facts) -> Advice | None:
         top = f"; the largest allocation: line {line} ({fmt_bytes(size)}): {code}"
     return Advice("memory", share, NEAR_CAPACITY, line, (
         f"the peak {fmt_bytes(s.peak_bytes)} is {share:.0%} of the device's "
-        f"{fmt_bytes(s.total_memory)} (over {NEAR_CAPACITY:.0%}): activation checkpointing, "
-        f"torch.autocast or a smaller batch{frag}{top}"))
+        f"{fmt_bytes(s.total_memory)} (at {NEAR_CAPACITY:.0%} or more): activation "
+        f"checkpointing, torch.autocast or a smaller batch{frag}{top}"))
 
 
 def pageable_copies(f: _Facts) -> Advice | None:
@@ -330,14 +539,22 @@ def cudnn_benchmark(f: _Facts) -> Advice | None:
 
 
 def recompiles(f: _Facts) -> Advice | None:
-    """Rule 10 (ours): torch.compile recompiled during the cell."""
+    """Rule 10 (ours): torch.compile recompiled during the cell. The counts are the
+    notes' (compiles.functions): a function's resumed parts recompile with it, and the
+    compile that hits the recompile limit is no recompile."""
     done = f.setting.recompiles
     if not done:
         return None
-    name, reason = done[-1]
-    return Advice("recompiles", float(len(done)), 0.0, None, (
-        f"torch.compile recompiled {plural(len(done), 'time')} in this cell, "
-        f"last {name}: {reason}; keep that input fixed, or mark it dynamic "
+    last = done[-1]
+    times = sum(fn.recompiles for fn in done)
+    limit = f.setting.recompile_limit
+    of = "" if limit is None else f" ({limit})"
+    hit = [fn for fn in done if fn.limit is not None]
+    stop = "".join(f"; {fn.name} then hit the recompile limit{of} and now runs uncompiled"
+                   for fn in hit)
+    return Advice("recompiles", float(times), 0.0, None, (
+        f"torch.compile recompiled {plural(times, 'time')} in this cell, "
+        f"last {last.where()}: {last.last}{stop}; keep that input fixed, or mark it dynamic "
         "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True))"))
 
 
@@ -357,6 +574,6 @@ def _line_key(where: str) -> tuple[int, str]:
 
 
 RULES: tuple[Callable[[_Facts], Advice | None], ...] = (
-    input_pipeline, device_waits, tensor_cores, memory, pageable_copies, tiny_ops,
+    warm_up, input_pipeline, device_waits, tensor_cores, memory, pageable_copies, tiny_ops,
     cpu_threads, data_parallel_gpus, cudnn_benchmark, recompiles,
 )

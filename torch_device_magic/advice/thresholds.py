@@ -27,8 +27,23 @@ FRAGMENTED = 1.5  # ours: reserved over this many times the peak allocated
 TENSOR_CORES = (7, 0)  # tb: the compute capability with tensor cores
 PAGEABLE_BYTES = 1 << 20  # ours: pageable host-to-device copies worth pinning
 TINY_HITS = 1000  # ours: a line run this many times...
-TINY_HIT_S = 50e-6  # ...at under this much wall a time...
+# ...at under this much wall a call (a few µs of torch's own time, the rest overhead; on a
+# loaded 2-core machine torch.randn(8) read 48-65 µs a call of wall, so the bound has room)...
+TINY_HIT_S = 200e-6
 TINY_SHARE = 0.10  # ...taking this share of the wall
 CPU_OPS_SHARE = 0.20  # ours: torch's CPU work worth more threads
 SHORT_KERNELS = 0.50  # HTA: the share of kernels shorter than their launch
+WARM_UP_LINE = 0.50  # ours: a line this much of whose wall was first-call loading is warm-up
+WARM_UP_WALL = 0.10  # ours: first-call loading worth saying, as a share of the wall ...
+COLD_RUN = 0.50  # ... and at this share, the whole run was cold: no launch or host advice
 DATA_PARALLEL_GPUS = 2  # tb: DataParallel on this many GPUs or more
+
+
+def capacity_share(peak_bytes: int | None, total_bytes: int | None) -> float | None:
+    """The share of a device's memory a cell's peak took, where it is NEAR_CAPACITY_SHARE or
+    more (else None): the one test behind the note under a cell and %%profile's rule 4,
+    both given the same peak (`Measurement.device_top_bytes`)."""
+    if not peak_bytes or not total_bytes:
+        return None
+    share = peak_bytes / total_bytes
+    return share if share >= NEAR_CAPACITY_SHARE else None

@@ -29,8 +29,8 @@ class TorchDeviceMagics(Magics):
     set_torch_default = Bool(
         True,
         help="Make the %device choice torch's default device for factory functions "
-        "(torch.set_default_device). It costs on every torch call (about 1.5x on a small "
-        "MLP training step on a CPU) and breaks DataLoader(shuffle=True) on a non-CPU "
+        "(as torch.set_default_device, paid by factory calls only). It breaks "
+        "DataLoader(shuffle=True) on a non-CPU "
         "default; set False to only bind `device` (%device DEV --no-default: for one "
         "choice). Only a default that we set is ever undone.",
     ).tag(config=True)

@@ -37,7 +37,7 @@ class TorchDeviceRunMagics(MagicsGroup):
         "--no-default",
         action="store_true",
         help="only bind `device`: leave torch's default device as it is for this choice "
-        "(no cost on every torch call, and DataLoader(shuffle=True) works)",
+        "(DataLoader(shuffle=True) works)",
     )
     @line_magic
     @user_errors
@@ -51,9 +51,9 @@ class TorchDeviceRunMagics(MagicsGroup):
         default device for factory functions (`torch.zeros(3)` lands there),
         unless `--no-default` (this choice) or `%config
         TorchDeviceMagics.set_torch_default = False` (every choice); the CPU,
-        torch's own default, installs none. That default costs on every torch
-        call (a small MLP training step took about 1.5x as long on a CPU, see
-        the README); forked DataLoader workers start without it. A default
+        torch's own default, installs none. Only factory calls pay for that
+        default (torch's own costs on every torch call, see the README);
+        forked DataLoader workers start without it. A default
         set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
         a CUDA context; MIG instances with their own memory) and marks the

@@ -614,7 +614,7 @@ class Capture:
         wall: float, cuda: bool, measured: Measurement | None, timeline: Any,
         notes: list[str],
     ) -> list[Advice]:
-        peak = measured.device_peak_bytes if measured is not None else None
+        peak = measured.device_top_bytes() if measured is not None else None
         try:
             setting = read_setting(wall, cuda, peak, self._compiled)
             top = timeline.largest[0] if timeline is not None and timeline.largest else None

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..advice.profile_rules import MATMULS
 from ..units import plural
 
 LINE_PREFIX = "tdm:"  # our ranges' names start with it (and never an op's)
@@ -40,7 +41,8 @@ class Event:
     """One kineto event, its times relative to the trace's start.
 
     kind: "op" (a CPU op or a user's range), "line" (ours), "memory", "runtime" (a
-    CUDA runtime call), "kernel", "memcpy", "memset" (device activity).
+    CUDA runtime or driver call), "kernel", "memcpy", "memset" (device activity),
+    "overhead" (the profiler's own rows, CUPTI's: in no table, read by the advice).
     """
 
     name: str
@@ -53,6 +55,7 @@ class Event:
     shapes: tuple[tuple[int, ...], ...] = ()
     nbytes: int = 0  # memory: + allocated, - freed; memcpy: bytes copied (0: unknown)
     on_device: bool = False  # memory: on an accelerator (else host)
+    dtypes: tuple[str, ...] = ()  # an op's inputs', as kineto names them ('float', 'c10::Half')
     # filled by the analysis
     self_ns: int = 0
     alloc_bytes: int = 0
@@ -83,11 +86,14 @@ def from_kineto(result: Any, origin: int | None = None) -> list[Event]:
             continue
         if name.startswith(LINE_PREFIX):
             kind = "line"
+        elif _profilers_own(name, activity):
+            kind = "overhead"  # on either side: no activity of the user's
         elif device:
             kind = ("memcpy" if "memcpy" in activity or name.startswith("Memcpy")
                     else "memset" if "memset" in activity or name.startswith("Memset")
                     else "kernel")
-        elif activity in _RUNTIME or (older and name.startswith(("cuda", "hip"))):
+        elif activity in _RUNTIME or _driver_call(name, activity) or (
+                older and name.startswith(("cuda", "hip"))):
             kind = "runtime"
         elif name in _FILTERED or e.is_async() or e.start_thread_id() != e.end_thread_id():
             continue
@@ -98,6 +104,7 @@ def from_kineto(result: Any, origin: int | None = None) -> list[Event]:
             e.correlation_id(), e.linked_correlation_id() if linked else 0,
             tuple(map(tuple, e.shapes())) if kind == "op" else (),
             _copied_bytes(e) if kind == "memcpy" else 0,
+            dtypes=tuple(e.dtypes()) if kind == "op" and name in _DTYPES_READ else (),
         ))
     return out
 
@@ -108,6 +115,25 @@ _FILTERED = frozenset({
     "profiler::_record_function_enter", "profiler::_record_function_enter_new",
     "profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version",
 })
+
+
+# CUPTI's own rows (seen on an H200, torch 2.11): its buffer requests, CUDA's module
+# loading it saw, and an unnamed one; kineto's activity type "overhead" marks the others
+_PROFILERS_OWN = frozenset({"Activity Buffer Request", "INVALID", "Lazy Function Loading",
+                            "Runtime Triggered Module Loading"})
+
+
+def _profilers_own(name: str, activity: str) -> bool:
+    """A row the profiler made about itself (or CUDA's loading it saw), not an op of the
+    user's."""
+    return activity == "overhead" or name in _PROFILERS_OWN
+
+
+def _driver_call(name: str, activity: str) -> bool:
+    """A CUDA driver API call (cuLaunchKernelEx), whatever activity kineto gave it; a
+    user's range of that look is one of theirs."""
+    return (activity != "user_annotation" and name.startswith("cu") and name[2:3].isupper()
+            and name.isalnum())
 
 
 def _copied_bytes(event: Any) -> int:
@@ -169,7 +195,8 @@ class Analysis:
     device_busy_s: float | None
     launches: int
     copies: int
-    copy_bytes: int | None  # None: the copies' sizes were not recorded
+    copy_bytes: int | None  # of the copies whose size is known; None: of none
+    copies_unsized: int  # copies whose size neither kineto nor their op recorded
     syncs: int
     stalls: list[str]  # '.item() 100 times on line 5 (2 runs)'
     line_at: Callable[[int], str | None] | None = field(default=None, repr=False)  # a time's
@@ -208,6 +235,7 @@ def analyse(
             d.line = launcher.line
         else:
             d.line = timeline.at(d.start_ns)
+    _size_copies(device, by_id)
     recorded = bool(device)
     memory = [e for e in events if e.kind == "memory"]
     for m in memory:
@@ -221,11 +249,48 @@ def analyse(
         device_busy_s=_union_ns(device) / 1e9 if recorded else None,
         launches=sum(1 for d in device if d.kind == "kernel"),
         copies=len(copies := [d for d in device if d.kind == "memcpy" and "DtoD" not in d.name]),
-        copy_bytes=sum(d.nbytes for d in copies) if all(d.nbytes for d in copies) else None,
+        copy_bytes=sum(d.nbytes for d in copies) if any(d.nbytes for d in copies)
+        or not copies else None,
+        copies_unsized=sum(1 for d in copies if not d.nbytes),
         syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
         stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
         line_at=timeline.at,
     )
+
+
+# where a copy's bytes are among its op's inputs: the source of copy_(self, src), the
+# tensor that _to_copy and .item()'s read take
+_COPY_SOURCE = {"aten::copy_": 1, "aten::_to_copy": 0, "aten::_local_scalar_dense": 0}
+# the ops whose inputs' dtypes from_kineto reads (a copy's size, a matmul's tensor cores):
+# asking costs about 3 µs an event, so only theirs
+_DTYPES_READ = MATMULS | frozenset(_COPY_SOURCE)
+# kineto's names of the dtypes (caffe2's TypeMeta names), and their bytes an element
+_ITEMSIZE = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "short unsigned int": 2,
+    "unsigned int": 4, "long unsigned int": 8, "c10::complex<float>": 8,
+    "c10::complex<double>": 16, "c10::complex<c10::Half>": 4, "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1,
+}
+
+
+def _size_copies(device: list[Event], by_id: dict[int, Event]) -> None:
+    """Give each memcpy kineto left at 0 bytes (torch 2.11's, all of them) the bytes of
+    the tensor its launching op copied, where that op recorded its shape and dtype."""
+    for d in device:
+        if d.kind != "memcpy" or d.nbytes:
+            continue
+        op = by_id.get(d.linked)
+        while op is not None and op.name not in _COPY_SOURCE:
+            op = op.parent
+        if op is None:
+            continue
+        i = _COPY_SOURCE[op.name]
+        if i < len(op.shapes) and i < len(op.dtypes):
+            numel = 1
+            for n in op.shapes[i]:
+                numel *= n
+            d.nbytes = numel * _ITEMSIZE.get(op.dtypes[i], 0)
 
 
 def _nest(events: list[Event]) -> None:

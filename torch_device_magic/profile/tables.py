@@ -89,7 +89,7 @@ class ProfileReport:
             parts.append(f"{device or 'device'} busy {fmt_seconds(a.device_busy_s)} "
                          f"({share:.0%} of {of})")
             parts.append(f"{a.launches:,} kernel launch{'' if a.launches == 1 else 'es'}")
-            size = "" if a.copy_bytes is None else f" ({fmt_bytes(a.copy_bytes)})"
+            size = _copies_size(a.copy_bytes, a.copies_unsized)
             parts.append(f"{a.copies:,} host-device cop{'y' if a.copies == 1 else 'ies'}{size}")
             parts.append(plural(a.syncs, "synchronisation"))
         parts.append(plural(a.op_calls, "op call"))
@@ -212,3 +212,10 @@ def _bytes(n: int | None) -> str:
 
 def _short(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _copies_size(known: int | None, unsized: int) -> str:
+    """The copies' bytes for the overview, and how many of them are of unknown size."""
+    if known is None:
+        return " (size unknown)"
+    return f" ({fmt_bytes(known)}" + (f"; {unsized:,} of unknown size)" if unsized else ")")

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 import html
-from threading import get_ident
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from threading import get_ident
 from typing import Any
 
 import torch

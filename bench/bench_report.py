@@ -16,7 +16,11 @@ cell at a time.
   added per cell over bare IPython, and ours over ipython-autotime's.
   "reads alone" is a reference that shows nothing: a pre and a post callback that
   make only the reads every report makes (the exact host peak's reset and three
-  reads, the free-heap walk, the children check), with the package's own probes.
+  reads, the free-heap walk, the children check), each where the Meter makes it
+  (the children after a cell of 100 µs or more; the free heap after every cell
+  while it has at most 1,000 free chunks, else after busy cells only), with the
+  package's own probes. The free chunks at the end are printed: the walk's cost
+  and how often it is made depend on them.
   What ours adds to it is the line and the bookkeeping around the reads; the
   target (issue 27) is that this is at most what autotime adds in all, in the
   same run, and the verdict is printed.
@@ -73,19 +77,33 @@ class ReadsAlone:
     """The reads a cell's report makes and nothing else: no record, no line."""
 
     def __init__(self) -> None:
+        from torch_device_magic.measure import FreeHeap
         from torch_device_magic.probes import ProcHighWater, malloc_free_reader
         from torch_device_magic.workers import ChildWatch
 
-        self.host, self.heap, self.children = ProcHighWater(), malloc_free_reader(), ChildWatch()
+        read = malloc_free_reader()
+        self.host, self.children = ProcHighWater(), ChildWatch()
+        self.heap = None if read is None else FreeHeap(read)
+        self.cpu_s = 0.0
 
     def pre_run_cell(self, info) -> None:
+        self.children.start()
+        if self.heap is not None and self.heap.free_bytes is None:
+            self.heap.start()
         self.host.start()
+        self.t0 = time.perf_counter()
 
     def post_run_cell(self, result) -> None:
+        # Each read where the Meter makes it: the children after a cell of 100 µs or more,
+        # the free heap after every cell while it is compact (up to 1,000 free chunks),
+        # else only after a cell that kept the thread busy 100 times as long as a walk.
+        elapsed = time.perf_counter() - self.t0
         self.host.stop()
         if self.heap is not None:
-            self.heap()
-        self.children.stop()
+            cpu_s = self.host.cpu_s or 0.0
+            self.heap.correction(0, cpu_s - self.cpu_s)
+            self.cpu_s = cpu_s
+        self.children.stop(elapsed)
 
     def attach(self, ip) -> None:
         for event in ("pre_run_cell", "post_run_cell"):
@@ -333,6 +351,14 @@ def held_bytes(history) -> int:
     return total
 
 
+def free_chunks() -> int | None:
+    """How many free chunks malloc's lists hold now (None where it cannot be read)."""
+    from torch_device_magic.probes import malloc_free_reader
+
+    read = malloc_free_reader()
+    return None if read is None else read()[1]
+
+
 def kernel_verdict(ours: float, autotime: float) -> str:
     """The kernel target: at most max(1.10x, autotime's ratio + 0.03), both from this run."""
     target = max(1.10, autotime + 0.03)
@@ -392,6 +418,8 @@ def main() -> None:
     print(f"ours / autotime: {added['ours'] / added['autotime']:.2f}x; "
           f"the reads alone / autotime: {added['reads alone'] / added['autotime']:.2f}x")
     print(beyond_reads(added))
+    print(f"free heap chunks at the end: {free_chunks()} (above 1,000 the walk is made "
+          "after busy cells only)")
     for commit in args.against:
         print(f"ours / ours at {commit}: {added['ours'] / added[f'ours at {commit}']:.3f}x")
     if len(args.against) == 2:

@@ -12,6 +12,7 @@ from fakegpu import GIB, FakeMachine, Gpu
 from torch_device_magic import measure, probes
 from torch_device_magic.measure import Meter
 from torch_device_magic.probes import Accelerator
+from torch_device_magic.units import fmt_bytes
 
 HAS_ACCELERATOR = probes.active_accelerator() is not None
 
@@ -405,3 +406,18 @@ def test_a_host_change_below_a_page_reads_zero(monkeypatch):
     assert (small.host_delta_bytes, small.host_peak_bytes) == (0, 0)
     assert "host 0 B (peak 0 B)" in small.summary()
     assert pages.host_delta_bytes == 3 * probes.PAGE_BYTES - 880
+
+
+@pytest.mark.parametrize("delta, peak", [
+    (0, 0), (0, 4096), (-3 * 2**20, 2**30), (1536, None), (None, 512), (None, None),
+])
+def test_a_repeated_host_figure_reads_as_the_first_time(delta, peak):
+    """The line's host part is formatted once per figures and then remembered: the second
+    line with the same figures reads as the first, and as the units say."""
+    host = "host n/a" if delta is None and peak is None else (
+        f"host {fmt_bytes(delta, signed=True)} (peak {fmt_bytes(peak)})")
+    lines = [measure.Measurement(0.5, host_delta_bytes=delta, host_peak_bytes=peak).summary()
+             for _ in range(2)]
+    assert lines == [f"time 500.0 ms | {host}"] * 2
+    other = measure.Measurement(0.5, host_delta_bytes=(delta or 0) + 2**20, host_peak_bytes=peak)
+    assert other.summary() != lines[0]

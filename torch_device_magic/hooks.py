@@ -55,6 +55,7 @@ from .units import fmt_bytes, fmt_seconds, plural
 HISTORY_SIZE = 1000
 _CUDA_START = "_torch_device_magic_cuda_start"  # the shell's attribute: see `_hook`
 _log = logging.getLogger(__name__)
+_NO_ATTRIBUTES: dict[str, Any] = {}  # a stream without a __dict__'s (never written to)
 
 
 @dataclass(frozen=True)
@@ -357,12 +358,16 @@ class CellReporter:
         record.cell = cell
         self.history.append(record)
         if adopted is None and self.shows(record):
-            self._show(record)
+            note = " (profiled)" if self._profiled else ""
+            if self._printing:
+                self._print(record.text(note))
+            else:
+                publish(self._shell.display_pub, record.bundle(note))
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""
-        if record.device_error is not None or record.notes or (
-            not self.min_seconds and not self.min_bytes
+        if (not self.min_seconds and not self.min_bytes) or record.device_error is not None or (
+            record.notes
         ):
             return True  # an error the cell's kernels raised, and a note, are always said
         return bool(
@@ -377,13 +382,6 @@ class CellReporter:
         return type(shell.display_pub).publish is DisplayPublisher.publish and not getattr(
             shell, "mime_renderers", None
         )
-
-    def _show(self, record: Measurement) -> None:
-        note = " (profiled)" if self._profiled else ""
-        if self._printing:
-            self._print(record.text(note))
-        else:
-            publish(self._shell.display_pub, record.bundle(note))
 
     def _publish(self, bundle: dict[str, str]) -> None:
         try:
@@ -421,7 +419,7 @@ class CellReporter:
         if watch is None:
             return
         stream, write, watched, had_own = watch
-        if getattr(stream, "__dict__", {}).get("write") is not watched:
+        if getattr(stream, "__dict__", _NO_ATTRIBUTES).get("write") is not watched:
             return  # wrapped again over ours and not put back: leave it as it is
         if had_own:
             stream.write = write

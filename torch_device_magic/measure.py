@@ -12,10 +12,11 @@ moment between start and stop.
 
 from __future__ import annotations
 
+import functools
 import html
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -105,13 +106,7 @@ class Measurement:
     def summary(self, note: str = "") -> str:
         """The compact line: time (and `note`: ' (profiled)'), then device and host memory
         (`n/a` where not measured), and the cell's workers where it had any."""
-        if self.host_delta_bytes is None and self.host_peak_bytes is None:
-            host = "host n/a"
-        else:
-            host = (
-                f"host {fmt_bytes(self.host_delta_bytes, signed=True)}"
-                f" (peak {fmt_bytes(self.host_peak_bytes)})"
-            )
+        host = _host_text(self.host_delta_bytes, self.host_peak_bytes)
         if self.workers is not None:
             host += f", workers {self.workers.summary()}"
         if self.device is None:
@@ -131,7 +126,8 @@ class Measurement:
 
     def text(self, note: str = "") -> str:
         """The line, and under it the cell's notes, one a line."""
-        return "\n".join((self.summary(note), *map(str, self.notes)))
+        line = self.summary(note)
+        return "\n".join((line, *map(str, self.notes))) if self.notes else line
 
     def __str__(self) -> str:
         return self.summary()
@@ -150,12 +146,22 @@ class Measurement:
         }
 
 
+@functools.lru_cache(maxsize=256)
+def _host_text(delta: int | None, peak: int | None) -> str:
+    """The line's host part. Most cells repeat the last few (`host 0 B (peak 0 B)`):
+    formatted once each, not once a cell."""
+    if delta is None and peak is None:
+        return "host n/a"
+    return f"host {fmt_bytes(delta, signed=True)} (peak {fmt_bytes(peak)})"
+
+
 def _sub(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
 
 
 _NOTHING = Counters(0, 0, 0, 0)  # a device without a context has allocated nothing
 _NONE: dict[str, Any] = {}  # no device timed (never written to)
+_NO_DEVICES: list[Any] = []  # no device watched (never written to): no comprehension run
 
 
 def _changed(before: Counters, after: Counters) -> bool:
@@ -265,8 +271,8 @@ class Meter:
             _, watched, self._before = carried
         else:
             main = active_accelerator(device, self._kinds)
-            watched = [] if main is None else devices_in_use(main)
-            self._before = {a.name: a.counters() for a in watched}
+            watched = _NO_DEVICES if main is None else devices_in_use(main)
+            self._before = {a.name: a.counters() for a in watched} if watched else _NONE
             for accel in watched:
                 accel.start_peak()
         self.children.start()
@@ -278,7 +284,8 @@ class Meter:
         # clock stops (after the synchronise that waits for them).
         self._t0 = clock()
         # Without the synchronise no end event is done at the stop: none is recorded.
-        self._starts = [(a, a.record_event()) for a in watched if self.sync and a.has_context()]
+        self._starts = [(a, a.record_event()) for a in watched
+                        if self.sync and a.has_context()] if watched else _NO_DEVICES
 
     def stop(self) -> Measurement:
         """End measuring: synchronise what the cell used (if `sync`), read every counter.
@@ -289,7 +296,7 @@ class Meter:
         # The end events first, before anything of ours queues behind the cell; without
         # the synchronise they would not be done, so there is no device time.
         ends = {a.name: (start, a.record_event()) for a, start in self._starts
-                if start is not None} if self.sync else _NONE
+                if start is not None} if self.sync and self._starts else _NONE
         main = active_accelerator(self._device, self._kinds)
         if main is None:  # the CPU-only path: the host's figures alone
             wall_s = clock() - self._t0
@@ -357,7 +364,7 @@ class Meter:
         # `wall_s` where the probe reads none or the last stop ran on another thread (a
         # kernel's subshell): a cell waiting for a loaded CPU did no work.
         cpu, before = getattr(self.host, "cpu_s", None), self._cpu_s
-        thread = threading.get_ident()
+        thread = get_ident()
         self._cpu_s = None if cpu is None else (thread, cpu)
         busy_s = wall_s
         if cpu is not None and before is not None and before[0] == thread:

@@ -20,6 +20,8 @@ from torch.utils._device import _device_constructors
 from torch_device_magic import default_device
 from torch_device_magic.default_device import DefaultDevice
 
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
+
 META = torch.device("meta")
 torch_zeros = torch.zeros  # torch's own: no default is in force as this module loads
 _i, _v = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])

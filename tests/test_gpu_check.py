@@ -15,6 +15,8 @@ import pytest
 import torch
 from kernel import ROOT
 
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
+
 GPU_CHECK = ROOT / "scripts" / "gpu-check"
 
 

@@ -24,6 +24,8 @@ from torch_device_magic.cells import cell_names
 from torch_device_magic.errors import DeviceMagicError
 from torch_device_magic.moving import move, restore
 
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
+
 META = torch.device("meta")
 CPU = torch.device("cpu")
 

@@ -15,6 +15,8 @@ from fakegpu import GIB, FakeMachine, Gpu, mig
 from torch_device_magic import probes
 from torch_device_magic.probes import Accelerator, PeakSampler, ProcHighWater
 
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
+
 MiB = 2**20
 
 

@@ -19,6 +19,8 @@ from torch_device_magic.advice.profile_rules import Setting, advise, read_settin
 from torch_device_magic.profile.events import Event, analyse, from_kineto
 from torch_device_magic.profile.tables import ProfileReport
 
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
+
 FP32 = ("float", "float")
 
 # --- rule 3: tensor cores, from what the op ran with; kernel names second ----------------

@@ -14,6 +14,8 @@ NOTEBOOK = """\
 import functools
 import torch
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
 model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 batch = torch.ones(3, 2); scale = 2.0; g = torch.Generator()
 def loss_of(out):

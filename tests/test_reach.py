@@ -10,12 +10,12 @@ import torch
 from torch_device_magic import reach
 from torch_device_magic.cells import cell_attributes, cell_names
 
+pytestmark = pytest.mark.once  # nothing here depends on IPython's version
+
 NOTEBOOK = """\
 import functools
 import torch
 import torch.nn.functional as F
-
-pytestmark = pytest.mark.once  # nothing here depends on IPython's version
 model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 batch = torch.ones(3, 2); scale = 2.0; g = torch.Generator()
 def loss_of(out):

@@ -152,6 +152,23 @@ def test_inference_with_autograd_on_says_what_the_graph_holds(ip, capsys, small)
     assert ip.user_ns["pred"].grad_fn is not None  # nothing changed
 
 
+def test_the_inference_note_reads_the_graph_without_unpacking_what_it_saved(ip, small):
+    """Unpacking a saved tensor runs the saved-tensor hooks (a checkpoint's recompute, an
+    offloaded tensor's copy back): the note reads them packed."""
+    run(ip, MODEL)
+    run(ip, "model.eval(); unpacked = []\n"
+            "hooks = torch.autograd.graph.saved_tensors_hooks(\n"
+            "    lambda t: t, lambda t: unpacked.append(1) or t)\n"
+            "hooks.__enter__()")
+    try:
+        run(ip, "pred = model(x)")
+        notes = last(ip).notes
+    finally:
+        run(ip, "hooks.__exit__(None, None, None)")
+    assert [n.rule for n in notes] == ["inference"] and notes[0].figure == 16 * MiB
+    assert ip.user_ns["unpacked"] == []
+
+
 def test_inference_is_quiet_under_no_grad_in_training_mode_and_with_backward(ip, small):
     run(ip, MODEL)
     run(ip, "model.eval()")

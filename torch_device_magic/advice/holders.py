@@ -121,12 +121,12 @@ def hidden(
         taken.update(mine)
         if mine:
             watch = walk.watch(mine) if walk is not None else ()
-            found[kind].append(Holder(name, _by_device(mine), fix, kind, watch, ident))
+            found[kind].append(Holder(name, bytes_by_device(mine), fix, kind, watch, ident))
 
     # The graphs of the user's tensors first: a displayed `pred` that a name still
     # holds keeps its graph through the name, not through Out.
     for name, tensors in users.graphs:
-        add(f"{name}'s autograd graph", _keys(graph_tensors(tensors)),
+        add(f"{name}'s autograd graph", storage_keys(graph_tensors(tensors)),
             f"del {name}, or keep {name}.detach()", GRAPH)
     for name, ident, walk in results(namespace, skip, shell):
         add(name, walk.kept(), "%gpufree", RESULT, walk, ident)
@@ -391,11 +391,13 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     return names
 
 
-def _keys(tensors: Iterable[Tensor]) -> dict[Key, int]:
+def storage_keys(tensors: Iterable[Tensor]) -> dict[Key, int]:
+    """Each storage the tensors keep alive, keyed by device and storage, with its bytes."""
     return {(str(t.device), storage_key(t)): storage_bytes(t) for t in tensors}
 
 
-def _by_device(keys: dict[Key, int]) -> dict[str, int]:
+def bytes_by_device(keys: dict[Key, int]) -> dict[str, int]:
+    """The bytes of `storage_keys`, summed per device."""
     totals: dict[str, int] = {}
     for (dev, _), nbytes in keys.items():
         totals[dev] = totals.get(dev, 0) + nbytes
@@ -447,7 +449,7 @@ def traceback_bytes(error: BaseException, budget: int = WALK_LIMIT) -> dict[str,
     """Bytes per device of tensors that `error`'s traceback alone keeps alive in its
     frames' locals; None where its frames hold more than `budget` objects."""
     walk = traceback_walk(error, budget)
-    return None if walk.over else _by_device(walk.kept())
+    return None if walk.over else bytes_by_device(walk.kept())
 
 
 def result_bytes(
@@ -456,4 +458,4 @@ def result_bytes(
     """The name IPython gives the result with id `ident` and the bytes per device that
     IPython's references alone keep alive of it; None where IPython holds no such result."""
     found = results(namespace, hidden_ns, shell, only=ident)
-    return (found[0][0], _by_device(found[0][2].kept())) if found else None
+    return (found[0][0], bytes_by_device(found[0][2].kept())) if found else None

@@ -22,7 +22,7 @@ import ast
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,13 @@ from ..probes import free_and_total, guarded, nvml_busy_percent
 from ..units import fmt_bytes, fmt_per_device, fmt_seconds
 from . import compiles
 from .compiles import UTILS
-from .holders import result_bytes, traceback_bytes
+from .holders import (
+    bytes_by_device,
+    graph_tensors,
+    result_bytes,
+    storage_keys,
+    traceback_bytes,
+)
 from .thresholds import (
     BUSY_LOW,
     BUSY_MIN_S,
@@ -49,7 +55,6 @@ from .thresholds import (
 
 _log = logging.getLogger(__name__)
 _MAX_ITEMS = 1000  # a displayed container longer than this is not looked into
-_MAX_NODES = 100_000  # an autograd graph is walked this far, no further
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,13 +284,14 @@ class Advisor:
         modules = [m for m in _called(tree, ns) if isinstance(m, torch.nn.Module)]
         if not modules or any(m.training for m in modules):
             return None
-        names = [n for n in _assigned(tree) if _graph_roots(ns.get(n))]
+        names = [n for n in _assigned(tree) if _with_graph(ns.get(n))]
         if not names:
             return None
-        skip = {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
-        skip.update(_storage_key(v) for v in ns.values() if isinstance(v, torch.Tensor))
-        roots = [fn for n in names for fn in _graph_roots(ns[n])]
-        return inference(names, _saved_bytes(roots, skip))
+        # What the graphs saved, less the modules' weights and the namespace's tensors.
+        skip = storage_keys(t for m in modules for t in (*m.parameters(), *m.buffers()))
+        skip.update(storage_keys(v for v in ns.values() if isinstance(v, torch.Tensor)))
+        saved = storage_keys(graph_tensors(t for n in names for t in _with_graph(ns[n])))
+        return inference(names, sum(n for key, n in saved.items() if key not in skip))
 
     def _compilations(self, utils: Any) -> Iterator[Note]:
         """Notes on what torch's compiler recorded since the last cell: compiles, graph
@@ -329,10 +335,6 @@ def _total_bytes(device: str) -> int | None:
     return None if found is None else found[1]
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
-
-
 def _tensors(value: object) -> Iterator[torch.Tensor]:
     """The tensors in a displayed result: a tensor, or a short tuple, list or dict of them."""
     if isinstance(value, torch.Tensor):
@@ -344,16 +346,8 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
 
 def _tensor_bytes(value: object) -> dict[str, int]:
     """Bytes of storage the value's tensors keep alive, per device, each storage once."""
-    seen: set[tuple[str, int]] = set()
-    held: dict[str, int] = {}
-    for t in _tensors(value):
-        if t.is_sparse or t.device.type == "meta":
-            continue
-        key = _storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            held[key[0]] = held.get(key[0], 0) + t.untyped_storage().nbytes()
-    return held
+    return bytes_by_device(storage_keys(
+        t for t in _tensors(value) if not t.is_sparse and t.device.type != "meta"))
 
 
 def _assigned(tree: ast.AST) -> list[str]:
@@ -407,39 +401,6 @@ def _lookup(node: ast.AST, ns: dict[str, Any]) -> Any:
     return None
 
 
-def _graph_roots(value: object) -> list[Any]:
-    """The autograd nodes of a value's tensors (a tensor, or a tuple, list or dict)."""
-    return [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
-
-
-_SAVED: dict[type, tuple[str, ...]] = {}  # per node type, its saved-tensor attributes
-
-
-def _saved_bytes(roots: Iterable[Any], skip: set[tuple[str, int]]) -> int:
-    """Bytes of the tensors the graphs behind `roots` saved for backward, each storage
-    once, less those in `skip` (the modules' weights, the namespace's tensors)."""
-    seen_nodes: set[int] = set()
-    seen = set(skip)
-    total = 0
-    todo = list(roots)
-    while todo and len(seen_nodes) < _MAX_NODES:
-        node = todo.pop()
-        if node is None or id(node) in seen_nodes:
-            continue
-        seen_nodes.add(id(node))
-        kind = type(node)
-        if kind not in _SAVED:
-            _SAVED[kind] = tuple(a for a in dir(node) if a.startswith("_saved_"))
-        for attr in _SAVED[kind]:
-            try:
-                saved = getattr(node, attr)
-            except RuntimeError:  # freed by a backward already
-                continue
-            for t in saved if isinstance(saved, (tuple, list)) else (saved,):
-                if isinstance(t, torch.Tensor) and not t.is_sparse:
-                    key = _storage_key(t)
-                    if key not in seen:
-                        seen.add(key)
-                        total += t.untyped_storage().nbytes()
-        todo.extend(fn for fn, _ in node.next_functions)
-    return total
+def _with_graph(value: object) -> list[torch.Tensor]:
+    """The tensors of a value (a tensor, or a tuple, list or dict) that carry a graph."""
+    return [t for t in _tensors(value) if t.grad_fn is not None]

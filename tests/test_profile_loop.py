@@ -314,6 +314,26 @@ def test_a_loop_that_raises_after_its_recorded_steps_shows_them_and_stops_cleanl
     assert profile_o(ip, LOOP.format(n=20)).full_steps == 5  # and the next one works
 
 
+def test_a_resume_that_torch_refuses_leaves_its_flag_off_and_the_next_profile_works(
+        ip, monkeypatch):
+    """torch sets its 'a profiler is on' flag before kineto starts: a resume mid-cell that
+    kineto refuses must not leave it on, or every later %%profile is refused."""
+    real, starts = torch.autograd.profiler.profile._start_trace, []
+
+    def refuse_the_second(self):
+        starts.append(1)
+        if len(starts) == 2:
+            torch.autograd.profiler._is_profiler_enabled = True  # as torch's own does first
+            raise RuntimeError("kineto refused a second session")
+        return real(self)
+
+    monkeypatch.setattr(torch.autograd.profiler.profile, "_start_trace", refuse_the_second)
+    profile_o(ip, LOOP.format(n=20))
+    assert len(starts) >= 2 and not torch.autograd.profiler._is_profiler_enabled
+    monkeypatch.undo()
+    assert profile_o(ip, LOOP.format(n=20)).full_steps == 5
+
+
 def test_memory_draws_the_recorded_steps_of_a_long_loop(ip):
     report = profile_o(ip, LOOP.format(n=50), "--memory")
     assert report.full_steps == 5 and report.timeline is not None

@@ -862,8 +862,6 @@ class _Recording:
         try:
             self._start(blocks)
         except RuntimeError as err:  # kineto refused (another profiler, a broken build)
-            if not torch.autograd._profiler_enabled():  # torch set its flag first
-                torch.autograd.profiler._is_profiler_enabled = False
             raise DeviceMagicError(
                 f"%%profile could not start torch.profiler: {first_sentence(err)}"
             ) from None
@@ -878,10 +876,17 @@ class _Recording:
                 setattr(module, name, self._watched(real))
 
     def _start(self, blocks: list[torch.Tensor]) -> None:
-        """A session of ours begins; where `blocks`, torch's warning is spent on them."""
+        """A session of ours begins; where `blocks`, torch's warning is spent on them. Where
+        torch refuses, its flag is put back off (it sets it before kineto starts): the first
+        start and a resume mid-cell alike, or every later %%profile is refused."""
         with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
             warnings.simplefilter("always")
-            self.prof.start()
+            try:
+                self.prof.start()
+            except BaseException:
+                if not torch.autograd._profiler_enabled():
+                    torch.autograd.profiler._is_profiler_enabled = False
+                raise
             self.running = True
             if caught and blocks:
                 self.spare = _spend_unknown_block_warning(blocks)

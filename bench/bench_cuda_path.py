@@ -67,7 +67,7 @@ def pair_us(meter, machine, cuda: bool, pairs: int) -> float:
 
 
 def main() -> None:
-    from bench_report import package_at, rotated
+    from bench_report import package_at, reporters_meter, rotated
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="COMMIT", default="e936bae")
@@ -79,8 +79,8 @@ def main() -> None:
     machine = fake_cuda(["torch_device_magic", then])
     from torch_device_magic.measure import Meter
 
-    meters = {"ours": Meter(), f"at {args.against}": importlib.import_module(
-        f"{then}.measure").Meter()}
+    meters = {"ours": reporters_meter(Meter), f"at {args.against}": reporters_meter(
+        importlib.import_module(f"{then}.measure").Meter)}
     for meter in meters.values():  # warm every path
         for cuda in (True, False):
             pair_us(meter, machine, cuda, 50)

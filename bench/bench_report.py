@@ -51,11 +51,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -112,6 +114,14 @@ class ReadsAlone:
     def detach(self, ip) -> None:
         for event in ("pre_run_cell", "post_run_cell"):
             ip.events.unregister(event, getattr(self, event))
+
+
+
+def reporters_meter(meter_class: Any) -> Any:
+    """A Meter as the per-cell reporter makes it (with the carry between cells, where the
+    version measured has one)."""
+    carries = "carry" in inspect.signature(meter_class).parameters
+    return meter_class(carry=True) if carries else meter_class()
 
 
 def shell():
@@ -181,7 +191,8 @@ def meter_against(package: str, rounds: int, pairs: int = 500) -> tuple[float, f
 
     from torch_device_magic.measure import Meter
 
-    meters = {"ours": Meter(), "then": importlib.import_module(f"{package}.measure").Meter()}
+    meters = {"ours": reporters_meter(Meter),
+              "then": reporters_meter(importlib.import_module(f"{package}.measure").Meter)}
     found: dict[str, list[float]] = {"ours": [], "then": []}
     for n in range(rounds):
         for name in rotated(list(meters), n):

@@ -327,7 +327,7 @@ def test_a_cell_reads_the_allocator_once_and_never_through_torchs_flattening(mon
 
     monkeypatch.setattr(torch.cuda, "memory_stats", flattening)
     monkeypatch.setattr(torch.accelerator, "memory_stats", flattening, raising=False)
-    meter = Meter()
+    meter = Meter(carry=True)  # the per-cell reporter's
     found = []
     for n in range(1, 4):
         meter.start()
@@ -345,7 +345,7 @@ def test_what_another_thread_allocates_between_two_cells_counts_in_the_next(monk
     """Nothing is lost between two cells: the next one starts from the last reading (and
     a start on another device reads that device afresh)."""
     machine = two_gpus(monkeypatch)
-    meter = Meter()
+    meter = Meter(carry=True)
     meter.start()
     machine.allocate(0, 100)
     assert meter.stop().device_delta_bytes == 100
@@ -361,6 +361,20 @@ def test_what_another_thread_allocates_between_two_cells_counts_in_the_next(monk
     meter.close()
     assert (third.device, third.device_delta_bytes) == ("cuda:1", 30)
     assert sum(call == "memory_stats" for call, _ in machine.calls) == reads + 4  # both, twice
+
+
+def test_a_meter_stopped_inside_another_leaves_it_the_peak(monkeypatch):
+    """%%profile's and %%gpumem's Meters run inside the cell's: their stop must not restart
+    the peak window, or the cell's line misses what they measured."""
+    machine = two_gpus(monkeypatch)
+    outer, inner = Meter(carry=True), Meter()
+    outer.start()
+    inner.start()
+    machine.allocate(0, GIB, keep=False)
+    assert inner.stop().device_peak_bytes == GIB
+    assert outer.stop().device_peak_bytes == GIB
+    outer.close()
+    inner.close()
 
 
 @pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])

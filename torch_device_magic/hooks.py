@@ -116,7 +116,7 @@ class CellReporter:
     def register(self, ip: Any) -> None:
         """Start reporting on `ip`, replacing any callbacks of ours already there."""
         if self._meter is None:
-            self._meter = Meter(sync=self._sync)
+            self._meter = Meter(sync=self._sync, carry=True)
         self._shell = ip
         self._hook(ip)
 

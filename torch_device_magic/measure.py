@@ -242,7 +242,8 @@ class Meter:
     `other_devices`.
     """
 
-    def __init__(self, host: HostProbe | None = None, sync: bool = True) -> None:
+    def __init__(self, host: HostProbe | None = None, sync: bool = True,
+                 carry: bool = False) -> None:
         self.host = host if host is not None else host_probe()
         self.children = ChildWatch()
         self.workers: Workers = NONE  # the last stop's, process by process (for %%gpumem)
@@ -252,6 +253,9 @@ class Meter:
         self._before: dict[str, Counters] = {}
         self._starts: list[tuple[Accelerator, Any]] = []  # each device timed, its start event
         # The last stop's device, devices and readings: the next start's, if it is the same.
+        # Only where stops and starts are back to back (the per-cell reporter's): the peak
+        # window restarts at the stop, which would wipe the peak of a Meter around this one.
+        self.carry = carry
         self._carried: tuple[Any, list[Accelerator], dict[str, Counters]] | None = None
         self._t0 = clock()
         read = malloc_free_reader() if host is None else None
@@ -320,7 +324,7 @@ class Meter:
         old, new = before[shown.name], after[shown.name]
         sampled = shown.sampled_peak_bytes()
         peak = _sub(new.peak_bytes, old.allocated_bytes) if sampled is None else sampled
-        if all(a.kind != "mps" for a in watched):  # MPS's peak is sampled from a start
+        if self.carry and all(a.kind != "mps" for a in watched):  # MPS's: sampled from a start
             for accel in watched:
                 accel.start_peak()
             self._carried = (self._device, watched, after)

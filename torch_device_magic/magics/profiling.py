@@ -26,8 +26,9 @@ class TorchDeviceProfileMagics(MagicsGroup):
     @argument("-n", dest="runs", type=int, default=1,
               help="profiled runs (default 1); each run repeats the cell's side effects")
     @argument("--warmup", type=int, default=0,
-              help="unprofiled runs first (default 0); they repeat the side effects too, and "
-              "the last one is the plain run the overview compares with")
+              help="unprofiled runs first (default 0); they repeat the side effects too (a "
+              "training cell trains once more), and the last one, where it is not the "
+              "code's first run, is the plain run the overview compares with")
     @argument("--sort", default="self",
               help="the op table's order: self (CPU time, the default), total, device, memory")
     @argument("--top", type=int, default=10, help="rows of the op and kernel tables (default 10)")
@@ -51,7 +52,8 @@ class TorchDeviceProfileMagics(MagicsGroup):
               "function, a method, a module's forward); repeatable")
     @argument("-o", dest="output", action="store_true",
               help="return the ProfileReport instead of the cell's value (.ops, .kernels, "
-              ".lines, .trace_path, .profiler for key_averages())")
+              ".lines, .trace_path, .profiler for key_averages(): of the last recorded stretch "
+              "only, where a loop's steps were windowed)")
     @line_cell_magic  # the line form is there for `%profile?`: it says it is a cell magic
     @user_errors
     def profile(self, line: str, cell: str | None = None) -> Any:

@@ -94,6 +94,44 @@ def test_the_ops_inputs_come_before_the_kernels_name():
         wall_s=4e-4, capability=(9, 0)))
 
 
+def _autocast_matmuls(inner_kernel: str) -> Capture:
+    """Four matmuls as torch.autocast runs them (a CPU capture under autocast has this
+    nesting): the user's fp32 matmul casts its inputs to bf16 (aten::to, _to_copy,
+    copy_, an elementwise kernel each), then calls a bf16 mm, whose GEMM kernel is the
+    matmul's."""
+    c = Capture()
+    cast = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>"
+    for i in range(4):
+        t = i * 100_000
+        c.line(2, "y = model(x)", t, t + 100_000)
+        c.events.append(Event("aten::matmul", "op", t + 1, t + 90_000, shapes=((64, 64),) * 2,
+                              dtypes=FP32))
+        for j in range(2):  # each input cast
+            at = t + 10 + j * 1_000
+            c.events += [Event("aten::to", "op", at, at + 900),
+                         Event("aten::_to_copy", "op", at + 10, at + 890)]
+            c.launch("aten::copy_", cast, at + 20, 500, 200, shapes=((64, 64),) * 2,
+                     dtypes=("c10::BFloat16", "float"))
+        c.launch("aten::mm", inner_kernel, t + 3_000, 5_000, 60_000,
+                 dtypes=("c10::BFloat16",) * 2)
+    return c
+
+
+@pytest.mark.parametrize("tf32", [{}, {"tf32_matmul": True}])
+def test_autocast_matmuls_are_not_advised_tensor_cores(tf32):
+    # the outer matmul's inputs are fp32, but its kernels are the casts' and the bf16 mm's
+    nvjet = ROWS[3][2]
+    advice = _autocast_matmuls(nvjet).advise(wall_s=4e-4, capability=(9, 0), **tf32)
+    assert "tensor cores" not in rules(advice)
+    # without recorded dtypes the GEMM kernel's name still decides, the casts say nothing
+    c = _autocast_matmuls(ROWS[0][2])  # an ffma GEMM: a matmul without tensor cores
+    for e in c.events:
+        if e.name == "aten::mm":
+            e.dtypes = ()
+    [got] = [a for a in c.advise(wall_s=4e-4, capability=(9, 0)) if a.rule == "tensor cores"]
+    assert got.text.startswith("4 matmul/conv kernels on line 2 ran in fp32")
+
+
 def test_from_kineto_reads_the_dtypes_of_matmuls_and_copies_only():
     bf16 = torch.ones(4, 4, dtype=torch.bfloat16)
     with torch.profiler.profile(record_shapes=True) as prof:

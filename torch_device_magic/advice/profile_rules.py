@@ -55,6 +55,7 @@ _REDUCED = ("c10::Half", "c10::BFloat16", "c10::Float8")  # kineto's dtype names
 _TENSOR_CORE_MARKS = ("nvjet", "tf32", "hmma", "gmma", "wmma", "tensorop", "884", "1688",
                       "16816", "bf16", "f16")
 _NO_TENSOR_CORE_MARKS = ("ffma", "sgemm")
+_CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})  # a dtype cast's ops
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
            "hipLaunchKernel")
 # first-call loading: CUDA's lazy module loading (CUPTI's rows), the driver's module loads,
@@ -441,9 +442,11 @@ def tensor_cores(f: _Facts) -> Advice | None:
     without: list[tuple[Event, Event]] = []  # (kernel, its matmul or convolution)
     for k in f.of_kind("kernel"):
         op = by_id.get(k.linked)
-        while op is not None and op.name not in MATMULS:
+        # The innermost matmul around the kernel; a cast's kernel is none of its (under
+        # autocast an fp32 matmul casts its inputs, then calls a bf16 one)
+        while op is not None and op.name not in MATMULS and op.name not in _CASTS:
             op = op.parent
-        if op is None:
+        if op is None or op.name in _CASTS:
             continue
         uses = _op_tensor_cores(op, f.setting)
         if uses is None:

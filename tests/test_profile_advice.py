@@ -464,7 +464,10 @@ def test_on_a_gpu_half_precision_and_tf32_are_not_advised_tensor_cores(on_gpu):
         pytest.skip("no tensor cores on this device")
     on_gpu.run_cell("h = x.half()\nb = x.bfloat16()\nconv = torch.nn.Conv2d(3, 16, 3).cuda()\n"
                     "imgs = torch.randn(8, 3, 64, 64, device='cuda')")
-    for cell in ("for _ in range(3):\n    y = h @ h", "for _ in range(3):\n    y = b @ b"):
+    autocast = ("for _ in range(3):\n    with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+                "        y = x @ x")
+    for cell in ("for _ in range(3):\n    y = h @ h", "for _ in range(3):\n    y = b @ b",
+                 autocast):
         assert "tensor cores" not in gpu_rules(on_gpu, cell)
     cudnn = torch.backends.cudnn.allow_tf32
     try:

@@ -268,6 +268,29 @@ def test_a_compile_says_frames_time_and_the_graph_breaks_line(ip, capsys):
     assert last(ip).notes == ()
 
 
+TWO_BREAKS = """\
+def step(x):
+    y = x * 2
+    print("between")
+    y = y + 1
+    torch._dynamo.graph_break()
+    return y - 1
+fast2 = torch.compile(step, backend="eager")
+fast2(torch.ones(32));
+"""
+
+
+def test_two_graph_breaks_in_one_function_are_two_notes_each_with_its_reason(ip):
+    """The second resumed part's reason does not take the first break's place: each
+    break is said at its own line with its own reason."""
+    run(ip, "import torch._dynamo")
+    run(ip, TWO_BREAKS)
+    breaks = [n.text for n in last(ip).notes if n.rule == "graph_break"]
+    assert [t.split(": ")[0] for t in breaks] == ["graph break in step at line 3",
+                                                  "graph break in step at line 5"]
+    assert "print" in breaks[0] and "print" not in breaks[1]  # torch.compiler's own words
+
+
 def test_a_recompile_gives_torchs_reason_and_the_count_to_the_limit(ip):
     run(ip, COMPILED)
     run(ip, "fast(torch.ones(17));")

@@ -130,8 +130,7 @@ def _mismatch(
         (d for d in found if d not in ("cpu", "meta")), "DEV"
     ))
     held = "; ".join(map(str, reached.unfollowed[:3]))
-    meta = "meta" in found and target != "meta"
-    if meta:  # nothing can be copied off meta
+    if "meta" in found and target != "meta":  # nothing can be copied off meta
         lines.append(
             "  Fix: meta tensors hold no data, so they cannot be moved to a real device: "
             "build them there, or give a module storage with .to_empty(device=device) "

@@ -383,3 +383,57 @@ def test_mismatch_names_what_the_notebook_functions_read_and_what_cannot_move():
     assert lines[1] == "  The cell uses: model (meta), x (cpu)"
     assert lines[-1] == ("  %%ondevice cannot move these (.to(device) them yourself): "
                          "tdm_user_mod.scale reads w from its module tdm_user_mod.")
+
+
+CLOSURE = """\
+vals = torch.arange(3.0)
+def make(w):
+    def scale(v):
+        return v * w
+    return scale
+scale = make(torch.ones(3))
+"""
+
+
+def hint_block(out: str) -> list[str]:
+    """The hint's lines in a cell's output, up to the report line."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(PREFIX))
+    return [line for line in lines[start:] if line.startswith((PREFIX, "  "))]
+
+
+@pytest.mark.parametrize("cell, said", [
+    ("s = scale(vals)",  # what a closure keeps: reach knows it could not follow it
+     "  %%ondevice tdmdev moved what the cell uses before it ran, but not these: "
+     "scale keeps w in a closure."),
+    ("w = torch.ones(3, device='cpu')\ns = vals * w",  # a name the cell bound elsewhere
+     "  %%ondevice tdmdev moved what the cell uses before it ran, but not these: w (cpu)."),
+    ("import numpy as np\ns = vals * torch.from_numpy(np.ones(3))",  # nothing names it
+     "  %%ondevice tdmdev moved what the cell uses before it ran; the other tensor is one "
+     "it cannot see: one the cell made on the CPU (torch.from_numpy, torch.load without "
+     "map_location, device='cpu'), or one an object keeps in its attributes."),
+])
+def test_a_mismatch_under_ondevice_says_what_was_not_moved_not_to_run_it_again(
+        ip, tdmdev, capsys, cell, said):
+    """Issue 29, point 19: the cell ran under %%ondevice, so the hint does not tell the
+    user to do what they just did; it says what did not move and how to move it."""
+    ip.run_cell(CLOSURE)
+    capsys.readouterr()
+    show(ip, f"%%ondevice tdmdev\n{cell}")
+    out = capsys.readouterr().out
+    assert "Expected all tensors to be on the same device" in out
+    lines = hint_block(out)
+    assert said in lines
+    assert lines[-1].startswith("  Fix: .to(tdmdev) ")
+    assert not any("run the cell with %%ondevice" in line for line in lines)
+    assert not any("%%ondevice cannot move these" in line for line in lines)  # said once
+
+
+def test_a_mismatch_in_a_plain_cell_still_says_run_it_under_ondevice(ip, tdmdev, capsys):
+    ip.run_cell(CLOSURE)
+    show(ip, "%%ondevice tdmdev\ns = scale(vals)")  # fails under %%ondevice first
+    capsys.readouterr()
+    show(ip, "s = vals * torch.ones(3)")  # vals is on tdmdev now; this cell is a plain one
+    lines = hint_block(capsys.readouterr().out)
+    assert lines[-1] == ("  Fix: run the cell with %%ondevice tdmdev:0 (moves what it uses "
+                         "there), or .to(device) each one.")

@@ -411,6 +411,22 @@ def test_gpufree_says_what_came_back_measured(ip, capsys):
     assert found["the last traceback"].came_back() == {"cpu": 4 * MIB}  # both gone, once
 
 
+def test_gpufree_says_when_letting_go_of_a_holder_freed_nothing(ip, capsys):
+    """A result let go of whose tensors something unseen keeps (here its finaliser) is
+    not 'released ... 0 B': nothing came back, and the line says so."""
+    cell(ip, "kept = []\nclass Cache:\n    def __init__(self, t):\n        self.t = t\n"
+             "    def __del__(self):  # keeps what it held\n        kept.append(self.t)")
+    cached = cell(ip, f"Cache(torch.ones({MIB}))").execution_count
+    shown = cell(ip, f"torch.ones({MIB})").execution_count
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    out = capsys.readouterr().out
+    assert out.startswith(f"released Out[{shown}] 4.0 MiB; let go of Out[{cached}], but "
+                          "nothing came back (something else still holds its tensors); "
+                          "garbage collected (")
+    assert " 0 B" not in out and ip.user_ns["kept"][0].numel() == MIB
+
+
 def test_every_ipython_reference_to_a_result_is_a_holder(ip):
     """Point 3: after `del Out[n]`, `_n`, `_` and the last result still hold it."""
     shown = cell(ip, f"torch.ones({MIB})").execution_count

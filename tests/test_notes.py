@@ -188,7 +188,10 @@ def test_inference_is_quiet_under_no_grad_in_training_mode_and_with_backward(ip,
     "x = torch.randn(8192, 256, requires_grad=True)\nscores = model(x)",
     "x = torch.randn(8192, 256).requires_grad_()\nscores = model(x)",
     "x = torch.randn(8192, 256)\nx.requires_grad = True\nscores = model(x)",
+    # a `with` block's names are seen (the inference below it gets its note): here the
+    # cell's enable_grad is what keeps it quiet
     "with torch.enable_grad():\n    scores = model(x)",
+    "torch.set_grad_enabled(True)\nscores = model(x)",
 ])
 def test_a_cell_that_asks_for_gradients_is_not_inference(ip, small, cell):
     """Issue 29, point 4: a saliency cell (model in eval, its input made to require
@@ -201,13 +204,42 @@ def test_a_cell_that_asks_for_gradients_is_not_inference(ip, small, cell):
     run(ip, "scores.sum().backward()")  # what %%nograd would have broken
 
 
+def test_an_input_made_to_require_grad_in_an_earlier_cell_is_not_inference(ip, small):
+    """A saliency notebook makes its input in one cell and runs the model in the next:
+    the model's input is a leaf that asks for its gradient (`x.grad`, the saliency)."""
+    run(ip, MODEL)
+    run(ip, "model.eval()")
+    run(ip, "x.requires_grad_()")
+    run(ip, "scores = model(x)")
+    assert last(ip).notes == ()
+    run(ip, "scores.sum().backward()")
+    assert ip.user_ns["x"].grad is not None
+
+
 def test_a_cell_that_asks_for_none_is_inference_still(ip, small):
-    """The other side of point 4: requires_grad=False, or an input that already
-    requires grad, is still inference with a graph kept."""
+    """The other side of point 4: requires_grad=False, or an input that is not a leaf
+    (the result of another model), is still inference with a graph kept."""
     run(ip, MODEL)
     run(ip, "model.eval()")
     run(ip, "x2 = torch.randn(8192, 256, requires_grad=False)\nscores = model(x2)")
     assert rules(ip) == ["inference"]
+    run(ip, "stem = torch.nn.Linear(256, 256).eval()\nfeats = stem(x)")
+    run(ip, "scores2 = model(feats)")
+    assert rules(ip) == ["inference"]
+
+
+@pytest.mark.parametrize("cell", [
+    "with torch.autocast('cpu', dtype=torch.bfloat16):\n    pred = model(x)",
+    "for chunk in x.split(4096):\n    pred = model(chunk)",
+])
+def test_inference_inside_a_block_gets_the_note(ip, small, cell):
+    """The names a cell binds in its `with` and `for` blocks are its own: an inference
+    under autocast, or over the batches of a loop, keeps a graph all the same."""
+    run(ip, MODEL)
+    run(ip, "model.eval()")
+    run(ip, cell)
+    assert rules(ip) == ["inference"]
+    assert last(ip).notes[0].where == "pred"
 
 
 # --- torch.compile -----------------------------------------------------------------------------
@@ -234,6 +266,29 @@ def test_a_compile_says_frames_time_and_the_graph_breaks_line(ip, capsys):
     assert out == [n.text for n in notes]
     run(ip, "fast(torch.ones(32));")  # the same shapes: nothing compiles
     assert last(ip).notes == ()
+
+
+TWO_BREAKS = """\
+def step(x):
+    y = x * 2
+    print("between")
+    y = y + 1
+    torch._dynamo.graph_break()
+    return y - 1
+fast2 = torch.compile(step, backend="eager")
+fast2(torch.ones(32));
+"""
+
+
+def test_two_graph_breaks_in_one_function_are_two_notes_each_with_its_reason(ip):
+    """The second resumed part's reason does not take the first break's place: each
+    break is said at its own line with its own reason."""
+    run(ip, "import torch._dynamo")
+    run(ip, TWO_BREAKS)
+    breaks = [n.text for n in last(ip).notes if n.rule == "graph_break"]
+    assert [t.split(": ")[0] for t in breaks] == ["graph break in step at line 3",
+                                                  "graph break in step at line 5"]
+    assert "print" in breaks[0] and "print" not in breaks[1]  # torch.compiler's own words
 
 
 def test_a_recompile_gives_torchs_reason_and_the_count_to_the_limit(ip):

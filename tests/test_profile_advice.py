@@ -9,6 +9,8 @@ DataParallel's rule runs on real cells on the fake GPUs (tests/fakegpu.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from fakegpu import FakeMachine, Gpu
@@ -544,6 +546,19 @@ def test_a_recompile_in_the_cell_names_the_function_and_the_reason(ip):
     assert re.figure == 1
     assert "recompiled 1 time in this cell, last double (a cell's line 2)" in re.text
     assert "rank mismatch" in re.text and "mark_dynamic" in re.text
+
+
+def test_the_docs_rule_10_example_is_what_the_rule_says(ip):
+    """docs/profile.md's example line for rule 10 is this cell's advice, to the letter
+    (its "(...)" stands for the end of the line)."""
+    docs = (Path(__file__).parents[1] / "docs" / "profile.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| 10 | recompiles |"))
+    example = row.rsplit("| `", 1)[1].removesuffix("` |")
+    ip.run_cell(COMPILED)
+    [re] = [a for a in profile(ip, "", "double(torch.randn(3, 4))").advice
+            if a.rule == "recompiles"]
+    said, _, _ = example.partition(" (...)")
+    assert re.text.startswith(said)
 
 
 def test_no_recompile_in_the_cell_is_not_advised(ip):

@@ -43,11 +43,17 @@ class FreeReport:
         return sum(_less(self.before[d], self.after[d]) or 0 for d in self.before)
 
     def __str__(self) -> str:
-        parts = [f"garbage collected ({plural(self.collected, 'object')})"]
-        if self.came_back:
-            let_go = ", ".join(f"{name} {fmt_bytes(sum(freed.values()))}"
-                               for name, freed in self.came_back.items())
-            parts.insert(0, f"released {let_go}")
+        freed = {name: sum(by_device.values()) for name, by_device in self.came_back.items()}
+        parts: list[str] = []
+        if any(freed.values()):
+            parts.append("released " + ", ".join(
+                f"{name} {fmt_bytes(n)}" for name, n in freed.items() if n))
+        freed_nothing = [name for name, n in freed.items() if not n]
+        if freed_nothing:  # something we cannot see holds what they alone seemed to keep
+            their = "its" if len(freed_nothing) == 1 else "their"
+            parts.append(f"let go of {', '.join(freed_nothing)}, but nothing came back "
+                         f"(something else still holds {their} tensors)")
+        parts.append(f"garbage collected ({plural(self.collected, 'object')})")
         if not self.before:
             parts.append("no accelerator in use, so no allocator cache to empty")
         for name, old in self.before.items():

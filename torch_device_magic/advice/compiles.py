@@ -120,7 +120,9 @@ def functions(new: list[Any], everything: list[Any]) -> list[Function]:
     two functions); a resumed part counts as its function's, a failed compile as its
     frame's. `everything`: all records, to name those."""
     found: dict[Code, Function] = {}
-    pending: dict[Code, str] = {}  # a graph break's reason, until its resumed part's line
+    # the graph breaks' reasons, oldest first, until their resumed parts give their lines:
+    # a frame's break resumes in the next part, which may break again
+    pending: dict[Code, list[str]] = {}
     for entry in new:
         code, line = code_of(entry, everything)
         f = found.setdefault(code, Function(code))
@@ -139,13 +141,13 @@ def functions(new: list[Any], everything: list[Any]) -> list[Function]:
         elif first and not entry.fail_reason:
             f.first.append(entry.entire_frame_compile_time_s or 0.0)
         if entry.restart_reasons and first:
-            pending[code] = short_reason(sorted(entry.restart_reasons)[0])
-        if line is not None and first and code in pending:
-            f.breaks.append((line, pending.pop(code)))
+            pending.setdefault(code, []).append(short_reason(sorted(entry.restart_reasons)[0]))
+        if line is not None and first and pending.get(code):
+            f.breaks.append((line, pending[code].pop(0)))
         if getattr(entry, "cudagraph_skip_reason", None):
             f.cudagraphs.append(short_reason(entry.cudagraph_skip_reason))
-    for code, reason in pending.items():
-        found[code].breaks.append((None, reason))  # its line is not known yet
+    for code, reasons in pending.items():
+        found[code].breaks += [(None, reason) for reason in reasons]  # lines not known yet
     return list(found.values())
 
 

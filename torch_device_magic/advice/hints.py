@@ -101,7 +101,7 @@ def hint(
     if _FORKED in message:  # also re-raised by the DataLoader from its worker
         return _forked(session_device, cuda_start)
     if _MISMATCH.search(message):
-        return _mismatch(message, namespace, source, session_device)
+        return _mismatch(message, namespace, source, session_device, cell_default)
     if "Attempting to deserialize object on" in message:
         return _checkpoint(session_device)
     default = cell_default or torch_default_device()
@@ -111,8 +111,11 @@ def hint(
 
 
 def _mismatch(
-    message: str, namespace: dict[str, object], source: str, session: torch.device | None
+    message: str, namespace: dict[str, object], source: str, session: torch.device | None,
+    cell_device: torch.device | None,
 ) -> str:
+    """The names the cell uses, their devices, and the fix; `cell_device` is the device of
+    the `%%ondevice` the cell ran under, which moved what the cell uses already."""
     used = [name for name in code_words(source) if name in namespace]
     reached = reach(namespace, used, cell_attributes(source))  # and what the code it can call reads
     used += sorted(reached.names - set(used))
@@ -123,24 +126,52 @@ def _mismatch(
         shown = ", ".join(f"{r.name} ({r.device})" for r in rows[:_MAX_NAMES])
         lines.append(f"  The cell uses: {shown}{', ...' if len(rows) > _MAX_NAMES else ''}")
     found = [d for r in rows for d in r.device.split(", ")] + _DEVICE.findall(message)
-    target = str(session) if session is not None else next(
+    target = str(cell_device or session or next(
         (d for d in found if d not in ("cpu", "meta")), "DEV"
-    )
+    ))
+    held = "; ".join(map(str, reached.unfollowed[:3]))
     if "meta" in found and target != "meta":  # nothing can be copied off meta
         lines.append(
             "  Fix: meta tensors hold no data, so they cannot be moved to a real device: "
             "build them there, or give a module storage with .to_empty(device=device) "
             "and load its weights (load_state_dict)."
         )
+    elif cell_device is not None:  # not "run it under %%ondevice": it just did
+        return "\n".join(lines + _not_moved(cell_device, rows, held))
     else:
         lines.append(
             f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
             "or .to(device) each one."
         )
-    if reached.unfollowed:
-        held = "; ".join(map(str, reached.unfollowed[:3]))
+    if held:
         lines.append(f"  %%ondevice cannot move these (.to(device) them yourself): {held}.")
     return "\n".join(lines)
+
+
+def _not_moved(device: torch.device, rows: list[TensorRow], held: str) -> list[str]:
+    """What a cell that ran under `%%ondevice DEVICE` uses that is elsewhere all the same
+    (a name it bound there, what a closure or a module of the user's keeps: `held`), or
+    where such a tensor comes from, and how to bring it."""
+    target = str(device)
+    elsewhere = ", ".join(f"{r.name} ({r.device})" for r in rows if not _all_on(r, device))
+    what = "; ".join(filter(None, (elsewhere, held)))
+    moved = f"  %%ondevice {target} moved what the cell uses before it ran"
+    if what:
+        return [f"{moved}, but not these: {what}.",
+                f"  Fix: .to({target}) them yourself, or pass them to the function as "
+                "arguments (what the cell names moves)."]
+    return [f"{moved}; the other tensor is one it cannot see: one the cell made on the CPU "
+            "(torch.from_numpy, torch.load without map_location, device='cpu'), or one an "
+            "object keeps in its attributes.",
+            f"  Fix: .to({target}) it where it is made, or pass it to the function as an "
+            "argument."]
+
+
+def _all_on(row: TensorRow, device: torch.device) -> bool:
+    """Whether a name's tensors are all on `device` (on any of its type's where it names
+    no index: `%%ondevice cuda` puts them on the current one)."""
+    return all(d == str(device) or (device.index is None and d.split(":")[0] == device.type)
+               for d in row.device.split(", "))
 
 
 def _out_of_memory(error: BaseException, namespace: dict[str, object]) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import torch
 
+from ..cells import cell_names, names_bound
 from ..probes import free_and_total, guarded, nvml_busy_percent
 from ..units import fmt_bytes, fmt_per_device, fmt_seconds
 from . import compiles
@@ -270,21 +271,22 @@ class Advisor:
 
     def _inference(self, source: str) -> Note | None:
         """A cell that called modules, all in eval mode, and no backward, whose new names
-        carry an autograd graph, and that asked for no gradient (a saliency map's input
-        made with requires_grad=True wants its graph for the next cell's backward)."""
+        (in its `with` and `for` blocks too) carry an autograd graph, and that asked for no
+        gradient (a saliency map's input made with requires_grad=True, in this cell or an
+        earlier one, wants its graph for the next cell's backward)."""
         if "backward" in source or not torch.is_grad_enabled():
             return None
         try:
             tree = ast.parse(source)
         except SyntaxError:  # a cell magic's text, or IPython's own syntax
             return None
-        if _asks_for_gradients(tree):
-            return None
         ns = self._shell.user_ns
+        if _asks_for_gradients(tree) or _reads_an_input_leaf(source, ns):
+            return None
         modules = [m for m in _called(tree, ns) if isinstance(m, torch.nn.Module)]
         if not modules or any(m.training for m in modules):
             return None
-        names = [n for n in _assigned(tree) if _with_graph(ns.get(n))]
+        names = sorted(n for n in names_bound(source) if _with_graph(ns.get(n)))
         if not names:
             return None
         # What the graphs saved, less the modules' weights and the namespace's tensors.
@@ -350,19 +352,6 @@ def _tensor_bytes(value: object) -> dict[str, int]:
         t for t in _tensors(value) if not t.is_sparse and t.device.type != "meta"))
 
 
-def _assigned(tree: ast.AST) -> list[str]:
-    """The names a cell binds at its top level, in order, each once."""
-    names: dict[str, None] = {}
-    for node in getattr(tree, "body", []):
-        targets = (node.targets if isinstance(node, ast.Assign) else
-                   [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
-        for target in targets:
-            for sub in ast.walk(target):
-                if isinstance(sub, ast.Name):
-                    names[sub.id] = None
-    return list(names)
-
-
 def _asks_for_gradients(tree: ast.AST) -> bool:
     """Whether a cell makes or sets a leaf with requires_grad (`requires_grad=True`,
     `.requires_grad_()`, `x.requires_grad = True`) or enables autograd itself
@@ -377,6 +366,14 @@ def _asks_for_gradients(tree: ast.AST) -> bool:
         if made or enabled or set_:
             return True
     return False
+
+
+def _reads_an_input_leaf(source: str, ns: dict[str, Any]) -> bool:
+    """Whether the cell reads a tensor that asks for its own gradient: a leaf with
+    requires_grad that is no module's weight (a Parameter), made in this cell or an
+    earlier one (`x.requires_grad_()`, then `scores = model(x)`)."""
+    return any(t.is_leaf and t.requires_grad and not isinstance(t, torch.nn.Parameter)
+               for name in cell_names(source) for t in _tensors(ns.get(name)))
 
 
 def _is_false(node: ast.AST) -> bool:

@@ -108,6 +108,18 @@ def test_the_gpu_benchmarks_fit_five_minutes_and_each_exists():
         assert (ROOT / "bench" / script).exists(), script
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs their GPU cases")
+@pytest.mark.parametrize("script", ["bench_report.py", "bench_profile_loop.py"])
+def test_a_benchmark_asked_for_its_gpu_case_without_cuda_fails_saying_so(script):
+    """gpu-check's flags ask for the CUDA case: without CUDA it is refused, not measured
+    on the CPU instead."""
+    flags, _ = load_gpu_check().BENCHES[script]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *flags], cwd=ROOT,
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().endswith("torch sees no CUDA GPU here"), proc.stderr[-2000:]
+
+
 def test_a_benchmarks_report_is_printed_as_it_comes(tmp_path, capsys):
     slow = tmp_path / "bench_slow.py"
     slow.write_text("import time\nprint('first')\ntime.sleep(60)\n")  # not flushed by hand

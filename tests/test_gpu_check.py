@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import types
 
 import pytest
 import torch
-from kernel import ROOT
+from pythonpath import ROOT, child_env
 
 pytestmark = pytest.mark.once  # nothing here depends on IPython's version
 
@@ -89,13 +88,11 @@ def test_a_test_that_hangs_fails_alone_after_its_timeout(tmp_path):
         "def test_after():\n"
         "    pass\n"
     )
-    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get(
-        "PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "conftest", "--test-timeout", "2", "-q",
          "-p", "no:cacheprovider", "test_hang.py"],
         cwd=tmp_path, timeout=240, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": path},
+        env=child_env(ROOT / "tests"),
     )
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-3000:]
     assert "TimedOut: the test's call ran past --test-timeout=2 s" in proc.stdout

@@ -3,12 +3,16 @@
     python bench/bench_profile_loop.py                       # a few minutes
     python bench/bench_profile_loop.py --against ba9f480     # also that commit's %%profile
     python bench/bench_profile_loop.py --against HEAD        # an A/A: a copy of this one
+    python bench/bench_profile_loop.py --device cuda         # on the GPU (its default there)
 
 The cell: a makemore-like character MLP (part 2: a 27-letter embedding of 10, a
 context of 3, a tanh layer of 200, cross-entropy), trained on synthetic data by a
 loop of `--loop-steps` steps (default 200 and 2,000), written as a notebook has it:
 minibatch, forward, `p.grad = None` for each parameter, backward, SGD update
-`p.data += -lr * p.grad`, `lossi.append(loss.log10().item())`.
+`p.data += -lr * p.grad`, `lossi.append(loss.log10().item())`. On `--device`:
+`cpu`, or `cuda` (the default where torch sees a CUDA GPU; there `%%profile` records
+the kernels too, and each step's `.item()` waits for them), the data, parameters
+and generator made there.
 
 Each round runs, in one IPython shell with the extension loaded, the order rotating:
 the plain cell, the cell under `%%profile` (its output formatted and sent to a null
@@ -46,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch
 from bench_report import package_at, rotated
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
@@ -53,21 +58,22 @@ from traitlets.config import Config
 SETUP = """
 import torch
 import torch.nn.functional as F
-g = torch.Generator().manual_seed(2147483647)
-Xtr = torch.randint(0, 27, (20000, 3), generator=g)
-Ytr = torch.randint(0, 27, (20000,), generator=g)
-C = torch.randn((27, 10), generator=g)
-W1 = torch.randn((30, 200), generator=g) * (5 / 3) / 30**0.5
-b1 = torch.randn(200, generator=g) * 0.01
-W2 = torch.randn((200, 27), generator=g) * 0.01
-b2 = torch.randn(27, generator=g) * 0
+dev = torch.device("{device}")
+g = torch.Generator(device=dev).manual_seed(2147483647)
+Xtr = torch.randint(0, 27, (20000, 3), generator=g, device=dev)
+Ytr = torch.randint(0, 27, (20000,), generator=g, device=dev)
+C = torch.randn((27, 10), generator=g, device=dev)
+W1 = torch.randn((30, 200), generator=g, device=dev) * (5 / 3) / 30**0.5
+b1 = torch.randn(200, generator=g, device=dev) * 0.01
+W2 = torch.randn((200, 27), generator=g, device=dev) * 0.01
+b2 = torch.randn(27, generator=g, device=dev) * 0
 parameters = [C, W1, b1, W2, b2]
 for p in parameters:
     p.requires_grad = True
 lossi = []
 """
 LOOP = """for i in range({steps}):
-    ix = torch.randint(0, Xtr.shape[0], (32,), generator=g)
+    ix = torch.randint(0, Xtr.shape[0], (32,), generator=g, device=dev)
     emb = C[Xtr[ix]]
     h = torch.tanh(emb.view(-1, 30) @ W1 + b1)
     logits = h @ W2 + b2
@@ -84,8 +90,6 @@ _LIBC = ctypes.CDLL("libc.so.6")
 
 
 def shell() -> InteractiveShell:
-    import torch
-
     torch.set_num_threads(1)  # two threads on a shared 2-core machine spin and skew
     config = Config()
     config.HistoryManager.hist_file = ":memory:"
@@ -102,15 +106,16 @@ def peak_bytes() -> int:
         return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
 
 
-def run(ip: InteractiveShell, package: str | None, steps: int, traces: Path) -> dict:
-    """One run of the loop, plain (`package` None) or under that package's %%profile, its
-    unnamed traces going to the folder `traces`."""
+def run(ip: InteractiveShell, package: str | None, steps: int, traces: Path,
+        device: str = "cpu") -> dict:
+    """One run of the loop on `device`, plain (`package` None) or under that package's
+    %%profile, its unnamed traces going to the folder `traces`."""
     tempfile.tempdir = str(traces)
     with contextlib.redirect_stdout(io.StringIO()):
         if package is not None:
             ip.run_cell(f"%load_ext {package}")
             ip.run_cell("%config TorchDeviceMagics.auto_report = False")  # the profile alone
-        ip.run_cell(SETUP)
+        ip.run_cell(SETUP.format(device=device)).raise_error()
     gc.collect()
     _LIBC.malloc_trim(0)
     before = set(traces.iterdir())
@@ -146,7 +151,13 @@ def main() -> None:
     parser.add_argument("--loop-steps", type=int, nargs="+", default=[200, 2000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--against", action="append", default=[], metavar="REV")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="where the loop trains (default: cuda where torch sees a CUDA "
+                        "GPU, else cpu); cuda fails without one")
     args = parser.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_profile_loop.py --device cuda: torch sees no CUDA GPU here")
     ip = shell()
     modes = {"plain": None, "ours": "torch_device_magic"}
     for rev in args.against:
@@ -158,27 +169,28 @@ def main() -> None:
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()):
                 ip.run_cell(f"%load_ext {package}")
-                ip.run_cell("%%profile\nimport torch\ny = torch.ones(3) + 1")
+                ip.run_cell(f"%%profile\nimport torch\ny = torch.ones(3, device='{device}') + 1")
                 ip.run_cell(f"%unload_ext {package}")
-            print(f"first capture of the process ({mode}): {time.perf_counter() - t0:.2f} s "
-                  "(torch.profiler's imports)")
+            print(f"first capture of the process ({mode}, on {device}): "
+                  f"{time.perf_counter() - t0:.2f} s (torch.profiler's imports)")
             break
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds")
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds on {device}")
     try:
-        measure(ip, modes, traces, args.loop_steps, args.rounds)
+        measure(ip, modes, traces, args.loop_steps, args.rounds, device)
     finally:  # what an older %%profile left there
         for folder in traces.values():
             shutil.rmtree(folder, ignore_errors=True)
 
 
 def measure(ip: InteractiveShell, modes: dict[str, str | None], traces: dict[str, Path],
-            loop_steps: list[int], rounds: int) -> None:
-    """Rounds of every mode at each number of steps; a summary per number of steps."""
+            loop_steps: list[int], rounds: int, device: str) -> None:
+    """Rounds of every mode at each number of steps on `device`; a summary per number of
+    steps."""
     for steps in loop_steps:
         found: dict[str, list[dict]] = {m: [] for m in modes}
         for n in range(rounds):
             for mode in rotated(list(modes), n):
-                found[mode].append(run(ip, modes[mode], steps, traces[mode]))
+                found[mode].append(run(ip, modes[mode], steps, traces[mode], device))
         plain = [r["cell_s"] for r in found["plain"]]
         print(f"\n{steps:,} steps: plain cell {statistics.median(plain):.2f} s "
               f"(rounds {min(plain):.2f}-{max(plain):.2f} s)")

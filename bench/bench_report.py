@@ -5,12 +5,13 @@
     python bench/bench_report.py --no-kernel  # without nbclient
     python bench/bench_report.py --no-kernel --against af6fdaa  # also that commit's report
     python bench/bench_report.py --no-kernel --against HEAD --against af6fdaa  # both copies
+    python bench/bench_report.py --cuda       # the CUDA cell too (by default where CUDA is)
 
-Every part runs the same one-line cell, alternating the modes with the order
-rotating, so that drift and the load of other processes hit all modes alike:
-in-process, blocks of cells in one process, each round comparing a mode with the
-bare block next to it (the figure is the median over rounds); on a kernel, one
-cell at a time.
+Every part runs the same one-line cell (`x = 1`; the CUDA part its own),
+alternating the modes with the order rotating, so that drift and the load of
+other processes hit all modes alike: in-process, blocks of cells in one process,
+each round comparing a mode with the bare block next to it (the figure is the
+median over rounds); on a kernel, one cell at a time.
 
 - In-process (`InteractiveShell.run_cell`, `store_history=True`): microseconds
   added per cell over bare IPython, and ours over ipython-autotime's.
@@ -32,8 +33,17 @@ cell at a time.
   every cell and sends nothing. "message alone" sends a constant line the way
   the report does and measures nothing; "printed line" prints one (autotime's
   kind of message). Together they separate the measuring from the message.
-- `--cpu` times the in-process part in the thread's CPU time, which a busy
-  machine inflates less than the wall clock.
+- CUDA cell (`--cuda`; by default where torch sees a CUDA GPU), in-process
+  after the `x = 1` part: the cell of issue 27, `y = a @ b` on two 1024x1024
+  float32 tensors, CUDA up and the matmul warm, in blocks of 200 cells over 15
+  rounds, the modes alternating as above and each block synchronised at its
+  end, in wall time. Besides autotime, "synchronise alone" is a post-cell
+  callback that only waits for the device: the floor that an honest time pays
+  (the cell's queued kernels). "ours - synchronise alone", less what ours adds
+  to `x = 1` with no CUDA up, is an estimate of the CUDA path's own cost
+  (target, issue 27: at most 60 µs a cell).
+- `--cpu` times the in-process `x = 1` part in the thread's CPU time, which a
+  busy machine inflates less than the wall clock.
 - `--against COMMIT` adds, in-process, the report as it was at that commit
   (its package extracted with `git archive` under another name), so that a
   change's cost is read against the code before it in the same run. Compare
@@ -59,10 +69,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 CELL = "x = 1"
+CUDA_SETUP = (  # CUDA up, the matmul's kernel loaded
+    "a, b = torch.randn(1024, 1024, device='cuda'), torch.randn(1024, 1024, device='cuda')\n"
+    "y = a @ b; torch.cuda.synchronize()"
+)
+CUDA_CELL = "y = a @ b"
+CUDA_CELLS, CUDA_ROUNDS = 200, 15  # issue 27's blocks: seconds on a GPU
 HIDE = "%config TorchDeviceMagics.report_min_seconds = "
 MODES = {  # name: (lines run before its block, lines run after it)
     "bare": ([], []),
@@ -75,7 +93,30 @@ MODES = {  # name: (lines run before its block, lines run after it)
 }
 
 
-class ReadsAlone:
+class Callbacks:
+    """A reference mode: this object's `pre_run_cell` and `post_run_cell` (those it has)
+    attached to a shell for a block."""
+
+    def events(self) -> list[str]:
+        return [e for e in ("pre_run_cell", "post_run_cell") if hasattr(self, e)]
+
+    def attach(self, ip) -> None:
+        for event in self.events():
+            ip.events.register(event, getattr(self, event))
+
+    def detach(self, ip) -> None:
+        for event in self.events():
+            ip.events.unregister(event, getattr(self, event))
+
+
+class SyncAlone(Callbacks):
+    """Only the wait for the device after each cell, as an honest time pays it."""
+
+    def post_run_cell(self, result) -> None:
+        torch.cuda.synchronize()
+
+
+class ReadsAlone(Callbacks):
     """The reads a cell's report makes and nothing else: no record, no line."""
 
     def __init__(self) -> None:
@@ -106,15 +147,6 @@ class ReadsAlone:
             self.heap.correction(0, cpu_s - self.cpu_s)
             self.cpu_s = cpu_s
         self.children.stop(elapsed)
-
-    def attach(self, ip) -> None:
-        for event in ("pre_run_cell", "post_run_cell"):
-            ip.events.register(event, getattr(self, event))
-
-    def detach(self, ip) -> None:
-        for event in ("pre_run_cell", "post_run_cell"):
-            ip.events.unregister(event, getattr(self, event))
-
 
 
 def reporters_meter(meter_class: Any) -> Any:
@@ -208,13 +240,21 @@ def meter_against(package: str, rounds: int, pairs: int = 500) -> tuple[float, f
 
 
 def in_process(
-    cells: int, rounds: int, against: list[str], clock=time.perf_counter
+    cells: int, rounds: int, against: list[str], clock=time.perf_counter, cuda: bool = False
 ) -> dict[str, float]:
     """Seconds added per cell over bare IPython, per mode (and at each of `against`), on
-    `clock`."""
+    `clock`: for `x = 1`, or with `cuda` for the CUDA cell, each block synchronised at
+    its end."""
     ip = shell()
-    reads = ReadsAlone()
-    modes: dict[str, tuple[list, list]] = {**MODES, "reads alone": ([reads.attach], [reads.detach])}
+    if cuda:
+        ip.run_cell(CUDA_SETUP).raise_error()
+        sync = SyncAlone()
+        modes = {m: MODES[m] for m in ("bare", "autotime", "ours")}
+        modes["synchronise alone"] = ([sync.attach], [sync.detach])
+    else:
+        reads = ReadsAlone()
+        modes = {**MODES, "reads alone": ([reads.attach], [reads.detach])}
+    cell = CUDA_CELL if cuda else CELL
     for commit in against:
         old = package_at(commit)
         modes[f"ours at {commit}"] = ([f"%load_ext {old}"], [f"%unload_ext {old}"])
@@ -231,7 +271,9 @@ def in_process(
         set_up(before)
         start = clock()
         for _ in range(n):
-            ip.run_cell(CELL, store_history=True)
+            ip.run_cell(cell, store_history=True)
+        if cuda:  # the block's queued kernels are part of its time, in every mode
+            torch.cuda.synchronize()
         elapsed = (clock() - start) / n
         set_up(after)
         return elapsed
@@ -395,6 +437,20 @@ def beyond_reads(added: dict[str, float]) -> str:
     )
 
 
+def cuda_path(on_cuda: dict[str, float], ours_cpu: float) -> str:
+    """The CUDA path's own cost, estimated: what ours adds to the CUDA cell beyond the
+    synchronise alone, less what it adds to `x = 1` with no CUDA up (issue 27's target:
+    at most 60 µs a cell, not counting the wait for the cell's kernels)."""
+    beyond = on_cuda["ours"] - on_cuda["synchronise alone"]
+    path = beyond - ours_cpu
+    verdict = "met" if path <= 60e-6 else "NOT met"
+    return (
+        f"ours - synchronise alone on the CUDA cell: {beyond * 1e6:.1f} µs; less ours on "
+        f"x = 1 ({ours_cpu * 1e6:.1f} µs): the CUDA path about {path * 1e6:.1f} µs; "
+        f"target <= 60 µs: {verdict}"
+    )
+
+
 def show(title: str, column: str, figures: dict[str, str]) -> None:
     print(title)
     print(f"{'mode':<18} {column:>18}")
@@ -415,7 +471,15 @@ def main() -> None:
         "--cpu", action="store_true",
         help="in-process, time the thread's CPU time, not the wall (on a busy machine)",
     )
+    parser.add_argument(
+        "--cuda", action="store_true",
+        help="also the CUDA cell (y = a @ b, 1024x1024); fails without CUDA (default: run "
+        "it where torch sees a CUDA GPU)",
+    )
     args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if args.cuda and not cuda:
+        sys.exit("bench_report.py --cuda: torch sees no CUDA GPU here")
 
     cells, rounds = (100, 8) if args.quick else (100, 60)
     clock = time.thread_time if args.cpu else time.perf_counter
@@ -444,6 +508,13 @@ def main() -> None:
             f"at {commit} {then_us:.2f} µs; paired difference {diff_us:+.2f} µs"
         )
     print()
+    if cuda:  # after the x = 1 part, which must run with no CUDA up
+        on_cuda = in_process(CUDA_CELLS, CUDA_ROUNDS, args.against, cuda=True)
+        show(f"CUDA cell ({CUDA_CELL}, 1024x1024 float32, CUDA up, "
+             f"{torch.cuda.get_device_name(0)}): {CUDA_ROUNDS} rounds of {CUDA_CELLS} cells "
+             "per mode, wall time", "µs added per cell",
+             {m: f"{on_cuda[m] * 1e6:.1f}" for m in on_cuda})
+        print(cuda_path(on_cuda, added["ours"]) + "\n")
 
     if not args.no_kernel:
         cells = 100 if args.quick else 1500

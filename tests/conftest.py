@@ -62,8 +62,9 @@ def pytest_addoption(parser):
     )
 
 
-class TimedOut(Exception):
-    """A test's phase ran past `--test-timeout`."""
+class TimedOut(BaseException):
+    """A test's phase ran past `--test-timeout`. Not an Exception, as KeyboardInterrupt is
+    not: a broad `except Exception` in the code under test must not swallow it."""
 
 
 def _time_limited(item, phase):

@@ -3,6 +3,7 @@
     machine = FakeMachine([Gpu("A100"), Gpu("H200")]).install(monkeypatch)
     machine.start_cuda()            # as a first CUDA tensor would
     machine.allocate(1, 2**30)      # cuda:1's allocator grows by 1 GiB
+    held = machine.held(0, 2**20)   # 1 MiB on cuda:0, freed when `held` is collected
 
 It models several GPUs (NVML lists them in PCI order; `cuda_order` is CUDA's
 numbering), MIG instances, NVML's per-process lists (host pids, so a container's
@@ -28,6 +29,7 @@ import sys
 import time
 import types
 import uuid as uuidlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +83,10 @@ class Gpu:
 
 def mig(name: str = "NVIDIA A100 MIG 1g.10gb", total: int = 10 * GIB) -> Gpu:
     return Gpu(name, total, used=0, mig=True)
+
+
+class _Held:
+    """What `FakeMachine.held` returns: a fake tensor's memory lives as long as it does."""
 
 
 class FakeEvent:
@@ -167,10 +173,23 @@ class FakeMachine:
         s["live"] += 1
         s["live_peak"] = max(s["live_peak"], s["live"])
         if not keep:
-            s["allocated"] -= n_bytes
-            s["live"] -= 1
-            s["frees"] += 1
-            s["freed_bytes"] += n_bytes
+            self.free(device, n_bytes)
+
+    def free(self, device: int, n_bytes: int) -> None:
+        """A tensor of `n_bytes` on `device` freed."""
+        s = self.stats[device]
+        s["allocated"] -= n_bytes
+        s["live"] -= 1
+        s["frees"] += 1
+        s["freed_bytes"] += n_bytes
+
+    def held(self, device: int, n_bytes: int) -> object:
+        """A tensor on `device` made, and freed when the object returned is collected
+        (when the last name, frame or list that holds it lets go)."""
+        self.allocate(device, n_bytes)
+        tensor = _Held()
+        weakref.finalize(tensor, self.free, device, n_bytes)
+        return tensor
 
     def run(self, device: int, ms: float) -> None:
         """Kernels on `device`'s current stream that take `ms` milliseconds."""

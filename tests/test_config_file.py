@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import IPython
 import pytest
+from pythonpath import child_env
 
-ROOT = Path(__file__).resolve().parent.parent
 COLORS = "nocolor" if IPython.version_info[0] >= 9 else "NoColor"
 
 
@@ -18,10 +17,10 @@ def run_ipython(tmp_path: Path, config: str, code: str) -> str:
     profile = tmp_path / "profile_default"
     profile.mkdir(parents=True)
     (profile / "ipython_config.py").write_text(config)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "IPYTHONDIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-W", "default", "-m", "IPython", f"--colors={COLORS}", "-c", code],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120, env=child_env(IPYTHONDIR=str(tmp_path)),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Warning" not in proc.stdout + proc.stderr  # importing and loading warn of nothing

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from pythonpath import child_env
 from torch.utils._device import _device_constructors
 
 from torch_device_magic import default_device
@@ -263,11 +263,8 @@ def test_torch_compile_knows_torchs_factories_again_after_release():
         "fresh = torch.compile(f, backend='eager', fullgraph=True)(torch.ones(3)).device\n"
         "print(under, again, fresh)\n"
     )
-    root = str(Path(__file__).resolve().parent.parent)
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=300)
+                         env=child_env(), timeout=300)
     assert run.stdout.split() == ["meta", "cpu", "cpu"], run.stderr[-2000:]
 
 

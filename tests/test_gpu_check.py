@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import types
 
 import pytest
 import torch
-from kernel import ROOT
+from pythonpath import ROOT, child_env
 
 pytestmark = pytest.mark.once  # nothing here depends on IPython's version
 
@@ -81,21 +80,23 @@ def test_a_benchmarks_report_is_kept_and_a_slow_one_is_stopped(tmp_path):
 
 def test_a_test_that_hangs_fails_alone_after_its_timeout(tmp_path):
     """gpu-check's --test-timeout (tests/conftest.py): a hang costs one test, and the next
-    one runs; no pytest-timeout needed."""
+    one runs; no pytest-timeout needed. A broad `except Exception` in the code that hangs
+    (probes.guarded has one) does not swallow the timeout, as it does not Ctrl-C."""
     (tmp_path / "test_hang.py").write_text(
         "import threading\n"
         "def test_hangs():\n"
-        "    threading.Event().wait()\n"
+        "    try:\n"
+        "        threading.Event().wait()\n"
+        "    except Exception:\n"
+        "        pass\n"
         "def test_after():\n"
         "    pass\n"
     )
-    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get(
-        "PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "conftest", "--test-timeout", "2", "-q",
          "-p", "no:cacheprovider", "test_hang.py"],
         cwd=tmp_path, timeout=240, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": path},
+        env=child_env(ROOT / "tests"),
     )
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-3000:]
     assert "TimedOut: the test's call ran past --test-timeout=2 s" in proc.stdout
@@ -106,6 +107,18 @@ def test_the_gpu_benchmarks_fit_five_minutes_and_each_exists():
     assert sum(budget for _, budget in gpu_check.BENCHES.values()) <= 300
     for script in gpu_check.BENCHES:
         assert (ROOT / "bench" / script).exists(), script
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs their GPU cases")
+@pytest.mark.parametrize("script", ["bench_report.py", "bench_profile_loop.py"])
+def test_a_benchmark_asked_for_its_gpu_case_without_cuda_fails_saying_so(script):
+    """gpu-check's flags ask for the CUDA case: without CUDA it is refused, not measured
+    on the CPU instead."""
+    flags, _ = load_gpu_check().BENCHES[script]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *flags], cwd=ROOT,
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().endswith("torch sees no CUDA GPU here"), proc.stderr[-2000:]
 
 
 def test_a_benchmarks_report_is_printed_as_it_comes(tmp_path, capsys):

@@ -363,6 +363,23 @@ def test_what_another_thread_allocates_between_two_cells_counts_in_the_next(monk
     assert sum(call == "memory_stats" for call, _ in machine.calls) == reads + 4  # both, twice
 
 
+def test_after_forget_stop_the_next_start_reads_the_allocator_afresh(monkeypatch):
+    """What code of ours frees after a stop (the hint releasing a failing cell's frames)
+    is no stretch's: the next start reads the allocator again, its peak window too."""
+    machine = two_gpus(monkeypatch)
+    meter = Meter(carry=True)
+    meter.start()
+    machine.allocate(0, GIB)
+    assert meter.stop().device_delta_bytes == GIB
+    machine.free(0, GIB)
+    meter.forget_stop()
+    meter.start()
+    machine.allocate(0, 10)
+    m = meter.stop()
+    meter.close()
+    assert (m.device_delta_bytes, m.device_peak_bytes) == (10, 10)
+
+
 def test_a_meter_stopped_inside_another_leaves_it_the_peak(monkeypatch):
     """%%profile's and %%gpumem's Meters run inside the cell's: their stop must not restart
     the peak window, or the cell's line misses what they measured."""

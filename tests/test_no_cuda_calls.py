@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 from fakegpu import FakeMachine, Gpu
+from pythonpath import ROOT, child_env
 
 from torch_device_magic import probes
 
 SPY = Path(__file__).parent / "scripts" / "cuda_spy.py"
-ROOT = Path(__file__).parent.parent
 # Flags and queues that start nothing: is_initialized reads a flag (how probes learn
 # that a context exists); _lazy_call queues `%device cuda:N`'s set_device for later.
 NO_START = ["is_initialized", "_lazy_call"]
@@ -30,20 +30,18 @@ def spy(*args: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(SPY), *args],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": with_root(os.environ.get("PYTHONPATH"))},
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def with_root(pythonpath: str | None) -> str:
-    """This checkout first, then what was there (dependencies installed with --target)."""
-    return os.pathsep.join(p for p in (str(ROOT), pythonpath) if p)
-
-
-def test_the_spy_keeps_the_pythonpath_it_was_given_after_this_checkout():
-    assert with_root(None) == str(ROOT)
-    assert with_root("/tmp/site") == f"{ROOT}{os.pathsep}/tmp/site"
+def test_the_spy_keeps_the_pythonpath_it_was_given_after_this_checkout(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert child_env()["PYTHONPATH"] == str(ROOT)
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")  # dependencies installed with --target
+    assert child_env()["PYTHONPATH"] == f"{ROOT}{os.pathsep}/tmp/site"
+    assert child_env("/a")["PYTHONPATH"] == os.pathsep.join(["/a", str(ROOT), "/tmp/site"])
 
 
 # The magics of the spy's sequence (`%%profile` aside: see below), on a fake GPU where

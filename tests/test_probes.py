@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from fakegpu import GIB, FakeMachine, Gpu, mig
+from pythonpath import child_env
 
 from torch_device_magic import probes
 from torch_device_magic.probes import Accelerator, PeakSampler, ProcHighWater
@@ -327,10 +326,7 @@ print(free - before, chunks)
 def test_the_free_heap_grows_by_what_small_tensors_leave_there():
     # A fresh process: in one that earlier tests left with a holed heap, the tensors fill
     # scattered holes between live chunks, and their free chunks cannot merge.
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        root, os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-c", _FREE_HEAP], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _FREE_HEAP], env=child_env(), capture_output=True,
                          text=True, timeout=300)
     grew, chunks = map(int, run.stdout.split())
     assert grew > 40 * MiB  # freed to the heap, whatever RSS says

@@ -16,6 +16,7 @@ import weakref
 import pytest
 import torch
 from IPython.core.error import UsageError
+from pythonpath import child_env
 
 from torch_device_magic.profile import ProfileReport, capture, tables
 from torch_device_magic.profile.events import analyse
@@ -110,10 +111,8 @@ def test_no_unnamed_trace_is_left_after_the_interpreter_exits(tmp_path):
         import glob, tempfile
         print(len(glob.glob(tempfile.gettempdir() + "/tdm-profile-*")))
     """)
-    env = {**os.environ, "TMPDIR": str(tmp_path),
-           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(capture.__file__)))}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(TMPDIR=str(tmp_path)),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "1"  # while it ran: the last one
     assert traces_in(tmp_path) == []

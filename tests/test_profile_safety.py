@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 from IPython.core.error import UsageError
-from kernel import ROOT
+from pythonpath import ROOT, child_env
 
 SHELL = """\
 import sys
@@ -39,9 +39,9 @@ def ipython(*cells: str, faulthandler: bool = False) -> subprocess.CompletedProc
     """Run `cells` in a fresh IPython shell in another process: its exit code and what
     reached its real stdout and stderr."""
     script = f"CELLS = {[textwrap.dedent(c) for c in cells]!r}\n" + SHELL
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     flags = ["-X", "faulthandler"] if faulthandler else []
-    return subprocess.run([sys.executable, *flags, "-c", script], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, *flags, "-c", script], cwd=ROOT,
+                          env=child_env(PYTHONUNBUFFERED="1"),
                           capture_output=True, text=True, timeout=300)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from fakegpu import Gpu, loaded_with_gpu
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from traitlets import TraitError
 
 from torch_device_magic import probes
@@ -514,6 +515,24 @@ def test_ctrl_c_during_the_end_of_cell_sync_is_one_line(shell, capsys, monkeypat
     assert "Traceback" not in out.out + out.err
     run(shell, "k = 2")  # the next cell is measured again
     assert len(report_lines(capsys.readouterr().out)) == 1
+
+
+def test_what_a_hint_frees_after_a_failing_cell_is_no_later_cells_change(
+    shell, monkeypatch
+):
+    """An out-of-memory cell's hint releases its traceback's frames after the cell's
+    measurement stopped: the 1 GiB they held is freed then, and the next cell, which
+    freed nothing, reads no change."""
+    loaded_with_gpu(shell, monkeypatch, Gpu("A"))
+    run(shell, "def step():\n"
+               "    activations = machine.held(0, 2**30)\n"
+               "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2 GiB.')")
+    InteractiveShell.run_cell(shell, "step()", store_history=True)  # shown, not raised
+    run(shell, "x = 1")
+    failed, after = history(shell)[-2:]
+    assert failed.device_delta_bytes == 2**30  # the frames held it at the cell's end
+    assert (after.device_delta_bytes, after.device_peak_bytes) == (0, 0)
+    assert shell.user_ns["machine"].stats[0]["allocated"] == 0  # the hint did free it
 
 
 def test_devreport_is_one_switch_with_auto_report_across_reloads(ip, capsys):

@@ -8,7 +8,7 @@ import sys
 
 import pexpect
 import pytest
-from kernel import ROOT
+from pythonpath import ROOT, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,7 @@ class Terminal:
     """`python -m IPython --simple-prompt` in a fresh IPYTHONDIR, without colors."""
 
     def __init__(self, ipython_dir: str) -> None:
-        env = {**os.environ, "IPYTHONDIR": ipython_dir, "TERM": "dumb",
-               "PYTHONIOENCODING": "utf-8", "PYTHONPATH": str(ROOT)}
+        env = child_env(IPYTHONDIR=ipython_dir, TERM="dumb", PYTHONIOENCODING="utf-8")
         self.child = pexpect.spawn(
             sys.executable,
             ["-m", "IPython", "--simple-prompt", "--no-banner", "--colors=nocolor",

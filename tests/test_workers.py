@@ -349,21 +349,24 @@ def test_a_finished_unjoined_process_is_a_worker_of_the_cell_it_exited_in_only(i
         assert cell["workers"] is None
 
 
+DYING = ZOMBIE + (
+    "import os, signal\n"
+    "def child(code):  # exits at once with `code`; a negative one: killed by that signal\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        os.kill(os.getpid(), -code) if code < 0 else os._exit(code)\n"
+    "    return pid\n"
+    "def wait_dead(*pids):  # exited, not reaped: as a parent blocked elsewhere leaves them\n"
+    "    while any(state(p) != 'Z' for p in pids):\n"
+    "        time.sleep(0.01)\n"
+)
+
+
 def test_workers_that_died_while_the_cell_waited_say_their_exit_codes(ip):
     """Children that died while the cell waited on them (a launch whose workers failed,
     its parent blocked on a barrier): the line gives their exit codes; a clean exit
     (code 0) keeps the line as it was."""
-    ip.run_cell(
-        ZOMBIE + "import os, signal\n"
-        "def child(code):  # exits at once with `code`; a negative one: killed by that signal\n"
-        "    pid = os.fork()\n"
-        "    if pid == 0:\n"
-        "        os.kill(os.getpid(), -code) if code < 0 else os._exit(code)\n"
-        "    return pid\n"
-        "def wait_dead(*pids):  # exited, not reaped: as a parent blocked elsewhere leaves them\n"
-        "    while any(state(p) != 'Z' for p in pids):\n"
-        "        time.sleep(0.01)\n"
-    )
+    ip.run_cell(DYING)
     ip.run_cell("died = child(1), child(-signal.SIGKILL); wait_dead(*died)")
     ip.run_cell("[os.waitpid(p, 0) for p in died]; fine = child(0); wait_dead(fine)")
     ip.run_cell("os.waitpid(fine, 0)")
@@ -372,6 +375,23 @@ def test_workers_that_died_while_the_cell_waited_say_their_exit_codes(ip):
     assert died["workers"]["exit_codes"] == (1, -9)
     assert ", workers 1 (exited), largest peak " in fine["line"]
     assert fine["workers"]["exit_codes"] == (0,)
+
+
+def test_a_worker_the_cell_joined_has_no_code_and_says_so_only_beside_one_that_died(ip):
+    """A worker that the cell's own code reaped (a `join`) has no exit code left to read:
+    the code that joined it has it (`Process.exitcode`). Alone it reads 'exited', even
+    where it failed; beside a worker whose code says it died, '?'."""
+    ip.run_cell(DYING)
+    ip.run_cell("failed = fork.Process(target=os._exit, args=(5,)); failed.start(); failed.join()")
+    ip.run_cell("fine = fork.Process(target=int); fine.start(); fine.join()\n"
+                "died = child(2); wait_dead(died)")
+    ip.run_cell("os.waitpid(died, 0)")
+    joined, beside, _ = records(ip, 3)
+    assert ip.user_ns["failed"].exitcode == 5
+    assert ", workers 1 (exited), largest peak " in joined["line"]
+    assert joined["workers"]["exit_codes"] == ()
+    assert ", workers 2 (exited: codes 2, ?), largest peak " in beside["line"]
+    assert beside["workers"]["exit_codes"] == (2,)
 
 
 def test_a_reused_pid_is_a_new_process(ip):

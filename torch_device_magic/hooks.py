@@ -30,8 +30,10 @@ thresholds; Ctrl-C there is one line, not IPython's "Error in callback" tracebac
 After a cell that raised, the hint (`advice/hints.py`, handed in by the magics while
 the `hints` trait is on) is printed under the traceback, before the line; a
 fault while making it prints nothing, and leaves a debug record on this module's
-logger (as does every fault caught here). With the report off and hints on, only
-`post_run_cell` stays registered.
+logger (as does every fault caught here). The hint runs after the measurement
+stopped, and what it frees (an out-of-memory error's frames, released) is no
+cell's: the next cell reads the allocator afresh. With the report off and hints
+on, only `post_run_cell` stays registered.
 """
 
 from __future__ import annotations
@@ -299,6 +301,8 @@ class CellReporter:
                 self._fault = f"torch_device_magic could not measure: {_describe(err)}"
         if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
             self._show_hint(self._hint, result)
+            if self._meter is not None:  # what the hint freed (an OOM's frames) is no cell's
+                self._meter.forget_stop()
         if loading is not None and at is None and not cells and info is not None:
             self._report_loading(loading, result)
         if not outermost or info is None or result.error_before_exec is not None:

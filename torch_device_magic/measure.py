@@ -269,9 +269,10 @@ class Meter:
         # Every cell starts here: with no accelerator up, nothing but the host is read.
         carried, self._carried = self._carried, None
         if carried is not None and carried[0] == device:
-            # Between two cells nothing but another thread can have allocated or changed
-            # the device: the last stop's reading is this start's, its peak window
-            # restarted there (one reading of the allocator per boundary).
+            # The last stop's reading is this start's, its peak window restarted there
+            # (one reading of the allocator per boundary): what ran on the device between
+            # (another thread, a later post-cell hook) counts in this stretch. Where code
+            # of ours ran in between, `forget_stop` dropped the reading.
             _, watched, self._before = carried
         else:
             main = active_accelerator(device, self._kinds)
@@ -341,6 +342,12 @@ class Meter:
             other_devices=others,
             device_error=error,
         ))
+
+    def forget_stop(self) -> None:
+        """Read the allocator afresh at the next start, not from the last stop: code of
+        ours ran after the stop that can free or allocate device memory (the hint that
+        released a failing cell's frames), which is no cell's."""
+        self._carried = None
 
     def _workers(self, m: Measurement) -> Measurement:
         """`m` with the cell's workers (read after the clock stopped)."""

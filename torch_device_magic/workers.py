@@ -156,7 +156,9 @@ class CellWorkers:
 
     def _codes(self) -> str:
         """': codes 1, -9' where a known exit code is not 0 (an unknown one reads '?'): a
-        worker that died says so, where a cell waiting on it would say nothing."""
+        worker that died says so, where a cell waiting on it would say nothing. Else
+        nothing: a worker the cell's own code waited for (a join) has no code left to
+        read, and the code that waited has it (a DataLoader's, every epoch)."""
         if not any(self.exit_codes):
             return ""
         shown = [*map(str, self.exit_codes), *["?"] * (self.exited - len(self.exit_codes))]

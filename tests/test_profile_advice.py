@@ -61,12 +61,42 @@ def test_one_batched_call_gets_no_tiny_ops_advice(ip, capsys, monkeypatch):
     assert "advice" not in capsys.readouterr().out  # nothing crosses: no section
 
 
-def _stepped(body: list[tuple[int, str, str | None, int]], steps: int) -> tuple[Capture, float]:
-    """A cell's loop (line 1) of `steps` steps, each running `body` in order: (line, code,
-    the op it calls or None, its ns). The capture and its wall."""
-    c, t = Capture(), 0
+MAKEMORE_4 = """parameters = [torch.randn(8, 8) for _ in range(7)]
+for p in parameters:
+    p.requires_grad = True
+model = torch.nn.Linear(8, 1)
+xx, yy = torch.randn(64, 8), torch.randn(64, 1)
+{step}for i in range(2000):
+    y_pred = {forward}
+    loss = ((y_pred - yy) ** 2).mean()"""
+
+
+@pytest.mark.parametrize("step, forward", [
+    ("", "model(xx)"),
+    ("def step():\n    return model(xx)\n", "step()"),  # its line runs under line 8's
+], ids=["in the loop", "in a function the loop calls"])
+def test_a_line_run_once_a_training_step_after_a_short_loop_gets_no_tiny_ops_advice(
+        ip, step, forward):
+    """makemore part 4's shape (issue 29, points 14 and 16): a 7-step loop first, then
+    2,000 training steps whose forward and loss run once a step, each on the last step's
+    weights: sequential work, set against the 2,000 steps of its own loop."""
+    report = profile(ip, "", MAKEMORE_4.format(step=step, forward=forward))
+    assert [(loop.line, loop.steps) for loop in report.loops] == [
+        ("2", [7]), ("8" if step else "6", [2000])]
+    assert "tiny ops" not in rules(report.advice)
+
+
+def _stepped(body: list[tuple[int, str, str | None, int]], steps: int,
+             header: tuple[int, str] = (1, "for step in range(steps):"),
+             c: Capture | None = None) -> tuple[Capture, float]:
+    """A cell's outer loop (its `header`'s line and code) of `steps` steps, each running
+    `body` in order: (line, code, the op it calls or None, its ns); after what `c` holds
+    where given. The capture and its wall."""
+    c = c or Capture()
+    t = max((e.end_ns for e in c.events), default=0)
+    c.loops.append((range(header[0], max(n for n, *_ in body) + 1), steps))
     for _ in range(steps + 1):  # the header's last check ends the loop
-        c.line(1, "for step in range(steps):", t, t + 100)
+        c.line(*header, t, t + 100)
         t += 100
         if _ == steps:
             break
@@ -78,10 +108,11 @@ def _stepped(body: list[tuple[int, str, str | None, int]], steps: int) -> tuple[
     return c, t / 1e9
 
 
-def _inner(code: str, op: str, n: int = 17, ns: int = 10_000) -> list:
-    """An inner loop (line 2) over `n` items whose body (line 3) is `code`."""
-    header = (2, "for p in parameters:", None, 200)
-    return [header, (3, code, op, ns)] * n + [header]
+def _inner(code: str, op: str, n: int = 17, ns: int = 10_000, at: int = 2) -> list:
+    """An inner loop (its header on line `at`) over `n` items whose body (the next line)
+    is `code`."""
+    header = (at, "for p in parameters:", None, 200)
+    return [header, (at + 1, code, op, ns)] * n + [header]
 
 
 def _tiny(body: list, steps: int) -> list[Advice]:
@@ -128,6 +159,21 @@ def test_a_comprehension_counts_the_statements_runs_not_its_iterations():
 ], ids=["a chain of layers", "a step of gradient descent"])
 def test_sequential_work_gets_no_tiny_ops_advice(body):
     assert _tiny(body, 2000 if len(body) == 2 else 100) == []
+
+
+def test_each_line_is_set_against_the_steps_of_its_own_loop():
+    """makemore part 4's shape: 7 parameters made trainable in a loop, then the training
+    loop, whose full-batch step runs once a step and whose inner loop indexes."""
+    c, _ = _stepped([(2, "p.requires_grad = True", None, 200)], 7,
+                    header=(1, "for p in parameters:"))
+    c, wall = _stepped([(4, "y_pred = model(xx)", "aten::linear", 60_000),
+                        *_inner("dC[ix[k, j]] += demb[k, j]", "aten::select", n=4,
+                                ns=5_000, at=5)],
+                       1000, header=(3, "for i in range(1000):"), c=c)
+    assert c.loops == [(range(1, 3), 7), (range(3, 7), 1000)]
+    [tiny] = [a for a in c.advise(wall_s=wall) if a.rule == "tiny ops"]
+    assert tiny.line == "6" and "line 6 ran 4,000 times" in tiny.text  # 4 a step: advised
+    assert "index once with a tensor of all the indices" in tiny.text
 
 
 LOADER = """from torch.utils.data import DataLoader, Dataset
@@ -223,6 +269,7 @@ class Capture:
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.names: dict[str, tuple[str, str]] = {}
+        self.loops: list[tuple[range, int]] = []  # the cell's outer loops: lines, steps
         self._id = 0
 
     def line(self, n: int, code: str, start: int, end: int) -> None:
@@ -249,7 +296,8 @@ class Capture:
 
     def advise(self, **setting) -> list[Advice]:
         a = analyse(self.events, self.names, device_in_use=True)
-        return advise(self.events, a, self.names, Setting(cuda=True, **setting))
+        return advise(self.events, a, self.names, Setting(cuda=True, loops=self.loops,
+                                                          **setting))
 
 
 def _loop(kernel_ns: int, launch_ns: int = 5_000, period: int = 100_000,

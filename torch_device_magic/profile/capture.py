@@ -197,6 +197,12 @@ class LineTracer:
         return [LoopSteps(str(line + self.shift), steps)
                 for line, steps in sorted(self.loop_steps.items())]
 
+    def loop_lines(self) -> list[tuple[range, int]]:
+        """Each outer loop that ran: its lines as the line table numbers them (its header
+        to its body's end) and its steps, every entry's together (the advice's)."""
+        return [(range(line + self.shift, self.loops[line].stop + self.shift), sum(steps))
+                for line, steps in self.loop_steps.items()]
+
     def rows(self, recorded: list[LineRow]) -> list[LineRow]:
         """The line rows over every step: hits and wall from this tracer, the rest from
         the `recorded` rows (of what the profiler recorded)."""
@@ -592,7 +598,9 @@ class Capture:
             notes.append(self.plain_from)
         trace, trace_bytes = self._write_trace(pieces, notes)
         timeline = self._timeline(pieces, recorder, notes) if opts.memory else None
-        advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes)
+        loops = tracer.loop_lines() if tracer is not None else []
+        advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes,
+                              loops)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -612,11 +620,12 @@ class Capture:
     def _advice(
         self, events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
         wall: float, cuda: bool, measured: Measurement | None, timeline: Any,
-        notes: list[str],
+        notes: list[str], loops: list[tuple[range, int]],
     ) -> list[Advice]:
         peak = measured.device_top_bytes() if measured is not None else None
         try:
             setting = read_setting(wall, cuda, peak, self._compiled)
+            setting.loops = loops
             top = timeline.largest[0] if timeline is not None and timeline.largest else None
             if top is not None and top.line is not None:  # --memory: the peak's top line
                 setting.largest = (str(top.line), top.bytes, top.text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from .thresholds import (
     PAGEABLE_BYTES,
     SHORT_KERNELS,
     TENSOR_CORES,
-    TINY_HIT_S,
+    TINY_CALL_S,
     TINY_HITS,
     TINY_SHARE,
     WARM_UP_LINE,
@@ -255,9 +256,9 @@ def tiny_ops(f: _Facts) -> Advice | None:
         counts = counts or _LineCounts(f)
         if row.hits <= counts.steps(name):
             continue
-        op, calls, runs = counts.of(name, row.hits)
+        op, calls, runs, call_s = counts.of(name, row.hits)
         each, share = row.wall_s / calls, row.wall_s / wall
-        if calls < TINY_HITS or each >= TINY_HIT_S:
+        if calls < TINY_HITS or (each if call_s is None else call_s) >= TINY_CALL_S:
             continue
         ran = (f"ran {plural(runs, 'time')} ({row.hits:,} iterations of its loop or "
                f"comprehension)" if runs != row.hits else f"ran {row.hits:,} times")
@@ -291,10 +292,10 @@ class _LineCounts:
                 top = up if up.kind == "line" else top
                 up = up.parent
             self.tops[e.name].add(top.name)
-        self.ops: dict[str, Counter[str]] = defaultdict(Counter)
+        self.ops: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         for e in f.of_kind("op"):
             if e.line is not None and (e.parent is None or e.parent.kind == "line"):
-                self.ops[e.line][e.name] += 1
+                self.ops[e.line][e.name].append(e.end_ns - e.start_ns)
 
     def steps(self, name: str) -> int:
         """How many steps the loop a line range sits in ran: the cell's outer loop around
@@ -305,17 +306,18 @@ class _LineCounts:
         return max((steps for loop, steps in self.facts.setting.loops
                     for n in lines if n in loop), default=1)
 
-    def of(self, name: str, hits: int) -> tuple[str | None, int, int]:
-        """A line range's most called op, its calls and the line's runs, over every step:
-        the events' counts scaled by the line's hits where the events cover fewer steps."""
+    def of(self, name: str, hits: int) -> tuple[str | None, int, int, float | None]:
+        """A line range's most called op, its calls and the line's runs, over every step
+        (the events' counts scaled by the line's hits where the events cover fewer
+        steps), and the median time of one of the op's calls recorded (None: no op)."""
         if not self.events[name]:
-            return None, hits, hits
+            return None, hits, hits, None
         scale = hits / self.events[name]
         runs = max(round(self.runs[name] * scale), 1)
         if not self.ops[name]:
-            return None, hits, runs
-        op, n = self.ops[name].most_common(1)[0]
-        return op, round(n * scale), runs
+            return None, hits, runs, None
+        op, took = max(self.ops[name].items(), key=lambda item: len(item[1]))
+        return op, round(len(took) * scale), runs, statistics.median(took) / 1e9
 
 
 def _chained(code: str) -> bool:

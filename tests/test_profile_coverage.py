@@ -280,9 +280,21 @@ def test_inputs_that_raise_when_looked_at_are_not_compared_and_break_nothing(ip)
     assert plain.success and reporter(ip).history.records()[-1].cell == plain.execution_count
     report = run(ip, "%%profile -o\ny = [odd]").result
     assert report.plain_wall_s is None
-    assert ("no plain run to compare with: the shapes and devices of what it reads could not "
-            f"be read when In[{plain.execution_count}] ran this code (run the cell again "
+    assert ("no plain run to compare with: the shapes and devices of what it read then are "
+            f"not known when In[{plain.execution_count}] ran this code (run the cell again "
             "without %%profile)") in report.notes
+
+
+def test_a_plain_run_whose_text_differs_inside_from_the_earlier_run_says_it_cannot_tell(ip):
+    """What a run read is kept only where its text ran before (its hash, a µs a cell):
+    a run whose text differs inside from the earlier run's keeps nothing."""
+    run(ip, "x = torch.randn(8, 8)")
+    run(ip, "y = x @ x\nz = 1")
+    plain = run(ip, "y = x @ x   \nz = 1").execution_count  # warm, its text another
+    report = run(ip, "%%profile -o\ny = x @ x\nz = 1").result
+    assert report.plain_wall_s is None
+    assert any(n.startswith("no plain run to compare with: the shapes and devices of what it "
+                            f"read then are not known when In[{plain}]") for n in report.notes)
 
 
 def test_the_inputs_of_a_run_of_code_that_ran_before_loading_are_kept(ip):

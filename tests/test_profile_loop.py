@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -226,15 +227,36 @@ def test_a_leading_blank_line_does_not_shift_the_line_numbers(ip):
 def test_the_pointer_to_more_steps_says_their_cost_and_bounds_it(ip, monkeypatch):
     report = profile_o(ip, LOOP.format(n=200))
     [note] = [n for n in report._line_table().notes if "--steps" in n]
-    per_step = report.events / 6
+    per_step = report.step_events / 6
+    assert 0 < report.step_events < report.events  # the code outside the loop is not a step's
     assert f"about {per_step:,.0f} events a step" in note
     assert f"every step would be about {report.events + per_step * 194:,.0f} events" in note
     assert note.endswith("--steps 0")
     bound = int(per_step * 50)
     monkeypatch.setattr(tables, "FULL_EVENTS", bound)
     [note] = [n for n in report._line_table().notes if "--steps" in n]
-    assert note.endswith(f"too many, --steps {int(bound / per_step) - 1} stays within {bound:,}")
+    fits = int((bound - (report.events - report.step_events)) / per_step) - 1
+    assert note.endswith(f"too many, --steps {fits} stays within {bound:,}")
     assert "--steps 0" not in note
+
+
+def every_step(report: ProfileReport) -> int:
+    """The events the line table says --steps 0 would record."""
+    [note] = [n for n in report._line_table().notes if "--steps" in n]
+    return int(re.search(r"every step would be about ([\d,]+) events", note)[1].replace(",", ""))
+
+
+@pytest.mark.parametrize("outside", [
+    "rows = [torch.randn(8) for _ in range(2000)]\n",  # recorded in full: no step's
+    "for p in range(7):\n    q = torch.ones(2) * p\n",  # a short loop, recorded in full
+], ids=["code before the loop", "a short loop before it"])
+def test_the_cost_of_every_step_is_counted_from_the_windowed_steps_alone(ip, outside):
+    """Issue 29, point 17: the events a step are the windowed steps' own, so the estimate
+    is what --steps 0 records, whatever the code outside the loop records in full."""
+    cell = outside + LOOP.format(n=100)
+    profile_o(ip, cell)  # each run below then frees what a profiled run made: recorded
+    estimate = every_step(profile_o(ip, cell))
+    assert estimate == pytest.approx(profile_o(ip, cell, "--steps 0").events, rel=0.1)
 
 
 def test_steps_sets_the_bound_and_0_records_every_step(ip):

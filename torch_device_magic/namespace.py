@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -37,6 +37,7 @@ _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hol
 # Their attributes are code and other modules, not the cell's data.
 _NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
                 types.MethodType)
+Signature = tuple[tuple[str, str], ...]  # `signature`'s: (name, what it holds), by name
 
 # Where a tensor sits in the object a row is named after. DATA and STATE count
 # in the row's bytes; DATA, STATE and PARAM give its devices; every role counts
@@ -389,6 +390,25 @@ def shape_of(t: Tensor) -> tuple[int | None, ...]:
             except RuntimeError:
                 sizes.append(None)
         return tuple(sizes)
+
+
+def signature(namespace: Mapping[str, object], names: Iterable[str]) -> Signature:
+    """What decides how long code takes on what `names` hold, cheaply: each tensor's shape,
+    dtype and device, each module's first parameter's device and dtype, by name; other
+    values are left out."""
+    out = []
+    for name in sorted(names):
+        value = namespace.get(name)
+        if isinstance(value, torch.nn.Module):
+            first = next(value.parameters(), None)
+            if first is not None:
+                out.append((name, f"a {type(value).__name__} on {first.device}, "
+                                  f"{str(first.dtype).removeprefix('torch.')}"))
+        elif isinstance(value, Tensor):
+            shape = "lazy" if is_lazy(value) else str(shape_of(value))
+            out.append((name, f"{shape} {str(value.dtype).removeprefix('torch.')} on "
+                              f"{value.device}"))
+    return tuple(out)
 
 
 def _shape(obj: object, f: _Found) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from .thresholds import (
     PAGEABLE_BYTES,
     SHORT_KERNELS,
     TENSOR_CORES,
-    TINY_HIT_S,
+    TINY_CALL_S,
     TINY_HITS,
     TINY_SHARE,
     WARM_UP_LINE,
@@ -99,6 +100,9 @@ class Setting:
     # its bytes and its code
     gpus: int = 0  # CUDA's devices, where CUDA is initialised
     data_parallel: str | None = None  # a name the cell reads that holds a DataParallel
+    # the cell's outer loops that ran: each one's lines as the line table numbers them (its
+    # header to its body's end) and its steps, every run's together
+    loops: list[tuple[range, int]] = field(default_factory=list)
 
 
 def read_setting(
@@ -238,23 +242,24 @@ def _on(line: str | None) -> str:
 
 def tiny_ops(f: _Facts) -> Advice | None:
     """Rule 6 (ours): many calls of the same small op, each a few µs, on independent data:
-    a line that runs many times a step of the cell's loop (an inner loop, a comprehension),
-    and not a chain where each run takes the last one's result (x = layer(x)); the remedy
-    from what the line does."""
+    a line that runs many times a step of the loop it sits in (an inner loop, a
+    comprehension), and not a chain where each run takes the last one's result
+    (x = layer(x)); the remedy from what the line does."""
     wall = f.setting.wall_s
     if not wall or f.cold():
         return None
-    steps, names = _steps(f), {w: n for n, (w, _) in f.line_names.items()}
+    names = {w: n for n, (w, _) in f.line_names.items()}
     counts = None
     for row in sorted(f.analysis.lines, key=lambda r: -r.wall_s):
         name = names.get(row.where)
-        if (name is None or row.hits / steps <= 1 or row.wall_s / wall < TINY_SHARE
-                or _chained(row.code)):
+        if name is None or row.wall_s / wall < TINY_SHARE or _chained(row.code):
             continue
         counts = counts or _LineCounts(f)
-        op, calls, runs = counts.of(name, row.hits)
+        if row.hits <= counts.steps(name):
+            continue
+        op, calls, runs, call_s = counts.of(name, row.hits)
         each, share = row.wall_s / calls, row.wall_s / wall
-        if calls < TINY_HITS or each >= TINY_HIT_S:
+        if calls < TINY_HITS or (each if call_s is None else call_s) >= TINY_CALL_S:
             continue
         ran = (f"ran {plural(runs, 'time')} ({row.hits:,} iterations of its loop or "
                f"comprehension)" if runs != row.hits else f"ran {row.hits:,} times")
@@ -267,43 +272,53 @@ def tiny_ops(f: _Facts) -> Advice | None:
     return None
 
 
-def _steps(f: _Facts) -> int:
-    """How many steps the cell's outermost loop ran (its header's hits less its last
-    check; 1 without a loop): a line that runs once a step is sequential work."""
-    headers = [r.hits - 1 for r in f.analysis.lines
-               if r.where.isdigit() and r.code.lstrip().startswith(("for ", "while "))]
-    return max(min(headers, default=1), 1)
-
-
 class _LineCounts:
     """Per line range, counted once over the events: its events, its statement runs
-    (consecutive events of one range are one run: a comprehension's iterations), and the
-    ops it called at the top (not inside another op)."""
+    (consecutive events of one range are one run: a comprehension's iterations), the ops
+    it called at the top (not inside another op), and the cell's top-level lines it ran
+    under (itself, or the lines that called its function)."""
 
     def __init__(self, f: _Facts) -> None:
+        self.facts = f
         self.events: Counter[str] = Counter()
         self.runs: Counter[str] = Counter()
+        self.tops: dict[str, set[str]] = defaultdict(set)
         last = None
         for e in sorted(f.of_kind("line"), key=lambda e: e.start_ns):
             self.events[e.name] += 1
             self.runs[e.name] += e.name != last
             last = e.name
-        self.ops: dict[str, Counter[str]] = defaultdict(Counter)
+            top, up = e, e.parent
+            while up is not None:
+                top = up if up.kind == "line" else top
+                up = up.parent
+            self.tops[e.name].add(top.name)
+        self.ops: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         for e in f.of_kind("op"):
             if e.line is not None and (e.parent is None or e.parent.kind == "line"):
-                self.ops[e.line][e.name] += 1
+                self.ops[e.line][e.name].append(e.end_ns - e.start_ns)
 
-    def of(self, name: str, hits: int) -> tuple[str | None, int, int]:
-        """A line range's most called op, its calls and the line's runs, over every step:
-        the events' counts scaled by the line's hits where the events cover fewer steps."""
+    def steps(self, name: str) -> int:
+        """How many steps the loop a line range sits in ran: the cell's outer loop around
+        the top-level line it ran under (the longest, where it ran under several); 1
+        outside the loops. A line that runs once a step is sequential work."""
+        lines = {int(w) for top in self.tops[name] or {name}
+                 if (w := self.facts.where(top)) is not None and w.isdigit()}
+        return max((steps for loop, steps in self.facts.setting.loops
+                    for n in lines if n in loop), default=1)
+
+    def of(self, name: str, hits: int) -> tuple[str | None, int, int, float | None]:
+        """A line range's most called op, its calls and the line's runs, over every step
+        (the events' counts scaled by the line's hits where the events cover fewer
+        steps), and the median time of one of the op's calls recorded (None: no op)."""
         if not self.events[name]:
-            return None, hits, hits
+            return None, hits, hits, None
         scale = hits / self.events[name]
         runs = max(round(self.runs[name] * scale), 1)
         if not self.ops[name]:
-            return None, hits, runs
-        op, n = self.ops[name].most_common(1)[0]
-        return op, round(n * scale), runs
+            return None, hits, runs, None
+        op, took = max(self.ops[name].items(), key=lambda item: len(item[1]))
+        return op, round(len(took) * scale), runs, statistics.median(took) / 1e9
 
 
 def _chained(code: str) -> bool:

@@ -26,10 +26,11 @@ NEAR_CAPACITY = NEAR_CAPACITY_SHARE  # tb (0.90): the peak over this share of th
 FRAGMENTED = 1.5  # ours: reserved over this many times the peak allocated
 TENSOR_CORES = (7, 0)  # tb: the compute capability with tensor cores
 PAGEABLE_BYTES = 1 << 20  # ours: pageable host-to-device copies worth pinning
-TINY_HITS = 1000  # ours: a line run this many times...
-# ...at under this much wall a call (a few µs of torch's own time, the rest overhead; on a
-# loaded 2-core machine torch.randn(8) read 48-65 µs a call of wall, so the bound has room)...
-TINY_HIT_S = 200e-6
+TINY_HITS = 1000  # ours: a line calling the same op this many times...
+# ...whose calls take under this (the median of the op's recorded calls: a few µs is torch's
+# overhead, and a 128x128 matmul's 30 µs work; a busy machine's waits for a core stretch a
+# few calls, not the median, while they stretched the line's wall a call ten times)...
+TINY_CALL_S = 20e-6
 TINY_SHARE = 0.10  # ...taking this share of the wall
 CPU_OPS_SHARE = 0.20  # ours: torch's CPU work worth more threads
 SHORT_KERNELS = 0.50  # HTA: the share of kernels shorter than their launch

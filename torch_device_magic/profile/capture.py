@@ -181,6 +181,7 @@ class LineTracer:
         self.paused_ns = 0  # the time it did not record
         self._paused_at = 0
         self.left_out = False  # the profiler was paused at least once
+        self.cuts: list[int | None] = []  # per pause, the outer loop whose steps ran then
         self._innermost: list[str | None] = []  # per traced frame, its line running
         self._since = 0
         self._header: int | None = None
@@ -196,6 +197,26 @@ class LineTracer:
         """Each outer loop that ran: its header's line and its steps, each time entered."""
         return [LoopSteps(str(line + self.shift), steps)
                 for line, steps in sorted(self.loop_steps.items())]
+
+    def loop_lines(self) -> list[tuple[range, int]]:
+        """Each outer loop that ran: its lines as the line table numbers them (its header
+        to its body's end) and its steps, every entry's together (the advice's)."""
+        return [(range(line + self.shift, self.loops[line].stop + self.shift), sum(steps))
+                for line, steps in self.loop_steps.items()]
+
+    def step_events(self, pieces: list[list[Event]]) -> int:
+        """How many of the events read are of the loops' steps the window recorded in
+        full: in each of the profiler's sessions (`pieces`) that a pause ended in a loop's
+        steps, its events from that loop's first recorded step on (a session that a
+        line's first run past the window ends holds no header of the loop: none)."""
+        total = 0
+        for piece, loop in zip(pieces, self.cuts):
+            header = self._keys.get((self.cell_file, loop)) if loop is not None else None
+            starts = [e.start_ns for e in piece if e.kind == "line" and e.name == header]
+            if starts:
+                first = min(starts)
+                total += sum(1 for e in piece if e.start_ns >= first)
+        return total
 
     def rows(self, recorded: list[LineRow]) -> list[LineRow]:
         """The line rows over every step: hits and wall from this tracer, the rest from
@@ -267,6 +288,7 @@ class LineTracer:
             self.paused_ns += t0 - self._paused_at
         else:
             self._paused_at, self.left_out = now, True
+            self.cuts.append(self._loop)
 
     def _name(self, code: CodeType, lineno: int) -> str:
         key = (code.co_filename, lineno)
@@ -567,7 +589,8 @@ class Capture:
     ) -> ProfileReport:
         opts = self.options
         pieces = _Pieces(recording.pieces)
-        events = pieces.events()
+        sessions = pieces.events()
+        events = [e for session in sessions for e in session]
         names = tracer.names if tracer is not None else {}
         in_use = cuda or (measured is not None and measured.device is not None)
         analysis = analyse(events, names, runs=opts.runs, sort=opts.sort, top=opts.top,
@@ -592,7 +615,9 @@ class Capture:
             notes.append(self.plain_from)
         trace, trace_bytes = self._write_trace(pieces, notes)
         timeline = self._timeline(pieces, recorder, notes) if opts.memory else None
-        advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes)
+        loops = tracer.loop_lines() if tracer is not None else []
+        advice = self._advice(events, analysis, names, wall, cuda, measured, timeline, notes,
+                              loops)
         why = None
         if partial is not None:
             what = "interrupted" if isinstance(partial, KeyboardInterrupt) else (
@@ -606,17 +631,19 @@ class Capture:
             timeline=timeline,
             trace_bytes=trace_bytes, trace_temporary=opts.trace is None,
             loops=tracer.loops_run() if tracer is not None else [],
-            full_steps=opts.steps if windowed else 0, events=len(events), advice=advice,
+            full_steps=opts.steps if windowed else 0, events=len(events),
+            step_events=tracer.step_events(sessions) if tracer is not None else 0, advice=advice,
         )
 
     def _advice(
         self, events: list[Event], analysis: Analysis, names: dict[str, tuple[str, str]],
         wall: float, cuda: bool, measured: Measurement | None, timeline: Any,
-        notes: list[str],
+        notes: list[str], loops: list[tuple[range, int]],
     ) -> list[Advice]:
         peak = measured.device_top_bytes() if measured is not None else None
         try:
             setting = read_setting(wall, cuda, peak, self._compiled)
+            setting.loops = loops
             top = timeline.largest[0] if timeline is not None and timeline.largest else None
             if top is not None and top.line is not None:  # --memory: the peak's top line
                 setting.largest = (str(top.line), top.bytes, top.text)
@@ -674,11 +701,12 @@ class _Pieces:
     def __init__(self, pieces: list[Any]) -> None:
         self.pieces = pieces
 
-    def events(self) -> list[Event]:
+    def events(self) -> list[list[Event]]:
+        """Each session's events, on the first one's clock."""
         if not self.pieces:
             return []
         origin = self.pieces[0].kineto_results.trace_start_ns()
-        return [e for piece in self.pieces for e in from_kineto(piece.kineto_results, origin)]
+        return [from_kineto(piece.kineto_results, origin) for piece in self.pieces]
 
     def export_chrome_trace(self, path: str) -> None:
         """One trace file (gzipped where `path` ends in .gz, as torch's): the sessions'

@@ -53,6 +53,7 @@ class ProfileReport:
     loops: list[LoopSteps] = field(default_factory=list)  # the cell's outer loops that ran
     full_steps: int = 0  # each loop's steps recorded after its first (0: all: nothing left out)
     events: int = 0  # the events read
+    step_events: int = 0  # of them, those of the windowed loops' steps recorded in full
     advice: list[Advice] = field(default_factory=list)  # what to change (advice)
 
     @property
@@ -167,18 +168,20 @@ class ProfileReport:
         return "steps " + ", ".join(said)
 
     def _more(self) -> str:
-        """What recording more steps would cost: each step's events, all of them."""
-        recorded = sum(min(s, self.full_steps + 1) for loop in self.loops for s in loop.steps)
-        per_step = self.events / max(recorded, 1)
-        left = self.steps - recorded
+        """What recording more steps would cost: a step's events (those of the windowed
+        loops' steps recorded in full, a step) times the steps left out."""
+        windowed = [s for loop in self.loops for s in loop.steps if s > self.full_steps + 1]
+        per_step = self.step_events / max(len(windowed) * (self.full_steps + 1), 1)
+        left = sum(windowed) - len(windowed) * (self.full_steps + 1)
         every = self.events + per_step * left
         trace = (f", a trace of about {fmt_bytes(int(self.trace_bytes / self.events * every))}"
                  if self.events and self.trace_bytes else "")
         cost = (f"--steps N records the first step and N more (about {per_step:,.0f} events a "
                 f"step); every step would be about {every:,.0f} events{trace}")
         if every > FULL_EVENTS:
-            entries = sum(len(loop.steps) for loop in self.loops)
-            fits = max(int(FULL_EVENTS / per_step / max(entries, 1)) - 1, self.full_steps)
+            rest = self.events - self.step_events  # recorded whatever the steps
+            fits = max(int((FULL_EVENTS - rest) / max(per_step, 1) / max(len(windowed), 1)) - 1,
+                       self.full_steps)
             return f"{cost}: too many, --steps {fits:,} stays within {FULL_EVENTS:,}"
         return f"{cost}: --steps 0"
 

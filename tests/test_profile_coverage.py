@@ -320,4 +320,4 @@ def test_only_a_cell_whose_code_ran_before_reads_its_inputs(ip, monkeypatch):
     monkeypatch.setattr(hooks, "signature", lambda ns, names: read.append(names) or ())
     for cell in ("a = torch.ones(2)", "b = a * 2", "c = b + a", "b = a * 2"):
         run(ip, cell)
-    assert read == [{"a"}]
+    assert read == [("a",)]

@@ -51,7 +51,7 @@ from .cells import first_code_line, names_bound, names_read, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
-from .namespace import Signature, signature
+from .namespace import Signature, described, signature
 from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds, plural
 
@@ -105,7 +105,7 @@ class CellReporter:
         # the signature of what it read (`_inputs`), by cell number.
         self._seen: set[int] = set()
         self._inputs: dict[int, Signature] = {}
-        self._names: dict[int, frozenset[str]] = {}  # what a cell's text reads, by its hash
+        self._names: dict[int, tuple[str, ...]] = {}  # what a cell's text reads, by its hash
         self._reading: Signature | None = None  # the outermost cell's, until its record
 
     @property
@@ -273,7 +273,7 @@ class CellReporter:
         try:
             names = self._names.get(key := hash(source))
             if names is None:
-                names = frozenset(names_read(self._shell, source))
+                names = tuple(sorted(names_read(self._shell, source)))
                 _keep(self._names, key, names, self.history.maxlen)
             return signature(self._shell.user_ns, names)
         except Exception:
@@ -505,10 +505,9 @@ def _changed(then: Signature | None, now: Signature | None) -> str | None:
         return "the shapes and devices of what it read then are not known"
     if then == now:
         return None
-    was, now_is = dict(then), dict(now)
+    was, now_is = {e[0]: e for e in then}, {e[0]: e for e in now}
     name = min(n for n in was.keys() | now_is.keys() if was.get(n) != now_is.get(n))
-    return (f"{name} is {now_is.get(name, 'no tensor or module')} now, and was "
-            f"{was.get(name, 'no tensor or module')}")
+    return f"{name} is {described(now_is.get(name))} now, and was {described(was.get(name))}"
 
 
 def _ran(source: str, code: str) -> bool:

@@ -10,7 +10,13 @@ import torch
 from IPython.core.error import UsageError
 
 from torch_device_magic import cells
-from torch_device_magic.cells import cell_names, cell_number, compiled, ends_with_semicolon
+from torch_device_magic.cells import (
+    cell_names,
+    cell_number,
+    compiled,
+    ends_with_semicolon,
+    names_changed,
+)
 from torch_device_magic.errors import DeviceMagicError
 
 
@@ -128,3 +134,24 @@ def test_compiled_refuses_a_syntax_error_before_anything_runs(shell, capsys):
     with pytest.raises(DeviceMagicError, match="the cell did not run: it has the syntax error"):
         compiled(shell, "ran = True\nx +")
     assert "SyntaxError" in capsys.readouterr().out and "ran" not in shell.user_ns
+
+
+@pytest.mark.parametrize("source, changed", [
+    ("x.data = torch.randn(3)", {"x"}),
+    ("x.resize_(3, 3)", {"x"}),
+    ("del x.grad", {"x"}),
+    ("a, x.data = 1, y", {"x"}),
+    ("m.cuda()", {"m"}),
+    ("m.to('meta')", {"m"}),
+    ("m[0] = layer", {"m"}),
+    ("m.layer.weight.requires_grad_(False)", {"m"}),
+    ("x.to('cuda')", set()),  # a tensor's .to returns a copy
+    ("x[0] = 1", set()),  # a tensor's values, not its shape
+    ("y = x.double() + m(x)", set()),
+    ("torch.nn.init.zeros_(x)", set()),  # values only
+    ("x = x.double()", set()),  # a binding: names_bound's
+    ("other.data = x", set()),
+    ("this is not python", set()),
+])
+def test_names_changed_are_those_changed_where_they_stand(source, changed):
+    assert names_changed(source, {"x", "m"}, modules={"m"}) == changed

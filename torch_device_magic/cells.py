@@ -24,7 +24,7 @@ import ast
 import io
 import symtable
 import tokenize
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .errors import DeviceMagicError
@@ -196,6 +196,54 @@ def names_bound(source: str) -> set[str]:
     except (SyntaxError, ValueError):
         return set()
     return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+
+
+def names_changed(source: str, names: Collection[str], modules: Collection[str] = ()) -> set[str]:
+    """Which of `names` `source`'s code changes where they stand, binding none of them
+    again: an attribute set or deleted under one (`x.data = ...`), an in-place method
+    called on one (`x.resize_(...)`), and for the `modules` among them, an item set
+    (`m[0] = ...`) or a conversion, which returns the module itself (`m.cuda()`,
+    `m.double()`, `m.to(...)`); none where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, root = node.func.attr, _root(node.func.value)
+            if root is not None and root in names and (
+                    (method.endswith("_") and not method.startswith("_"))
+                    or (root in modules and method in _CONVERSIONS)):
+                found.add(root)
+            continue
+        targets: list[ast.expr] = (
+            list(node.targets) if isinstance(node, (ast.Assign, ast.Delete)) else
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets += target.elts
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            elif isinstance(target, ast.Attribute) or (
+                    isinstance(target, ast.Subscript) and _root(target) in modules):
+                root = _root(target)
+                if root is not None and root in names:
+                    found.add(root)
+    return found
+
+
+# A module's methods that convert it in place and return it (a tensor's return a copy).
+_CONVERSIONS = frozenset({"to", "cuda", "cpu", "xpu", "mtia", "half", "float", "double",
+                          "bfloat16", "type", "to_empty"})
+
+
+def _root(node: ast.expr) -> str | None:
+    """The name at the root of `a.b[c].d` (a), or None (a call's result, a literal)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

@@ -47,11 +47,10 @@ from typing import Any
 import torch
 from IPython.core.displaypub import DisplayPublisher
 
-from .cells import first_code_line, names_bound, names_read, only_comments
+from .cells import first_code_line, names_bound, names_changed, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
-from .namespace import Signature, described, signature
 from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds, plural
 
@@ -100,13 +99,6 @@ class CellReporter:
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
         # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
-        # For plain_run: the fingerprints (`_key`) of every cell's text seen, and for each
-        # cell whose text had run before (a warm run, which %%profile may compare with)
-        # the signature of what it read (`_inputs`), by cell number.
-        self._seen: set[int] = set()
-        self._inputs: dict[int, Signature] = {}
-        self._names: dict[int, tuple[str, ...]] = {}  # what a cell's text reads, by its hash
-        self._reading: Signature | None = None  # the outermost cell's, until its record
 
     @property
     def registered(self) -> bool:
@@ -128,8 +120,6 @@ class CellReporter:
         if self._meter is None:
             self._meter = Meter(sync=self._sync, carry=True)
         self._shell = ip
-        inputs = getattr(getattr(ip, "history_manager", None), "input_hist_raw", None) or ()
-        self._seen.update(_key(source) for source in inputs)  # what ran before we watched
         self._hook(ip)
 
     def unregister(self, ip: Any) -> None:
@@ -222,10 +212,11 @@ class CellReporter:
         shell's raw inputs, comparing code without blank lines and trailing whitespace
         (IPython blanks a cell magic's whitespace-only lines). A cell run under a magic
         (%%profile, %%gpumem) has other text, so it is never taken. A run is not compared
-        with where a later cell bound one of the names the code `reads` again, or where
-        the tensors and modules its code reads by name had other shapes, dtypes or
-        devices then (`x.data = ...`, `x.resize_()`, `model.cuda()`): the signature kept
-        as that run began, against now's."""
+        with where a later cell bound one of the names the code `reads` again, or changed
+        one where it stands (`x.data = ...`, `x.resize_()`, `model.cuda()`: cells.
+        names_changed): its inputs may have other shapes, dtypes or devices. Read from
+        the later cells' text when asked, so that no cell pays for it; what a function
+        changes out of sight is not seen."""
         inputs = getattr(getattr(self._shell, "history_manager", None), "input_hist_raw", None)
         if not inputs:
             return None, None
@@ -238,16 +229,14 @@ class CellReporter:
             if any(_ran(earlier, code) for earlier in inputs[1:n]):
                 later = self._shell.execution_count  # this cell's: not one after the run
                 for k in range(n + 1, min(later, len(inputs))):
-                    bound = sorted(self._bound(inputs[k], reads))
-                    if bound and not _ran(inputs[k], code):  # this code again: as the run
+                    if _ran(inputs[k], code):  # this code again: as the run
+                        continue
+                    how = self._touched(inputs[k], reads)
+                    if how:
                         return None, (
-                            f"no plain run to compare with: In[{k}] bound {bound[0]} again "
-                            f"after In[{n}] ran this code, so its inputs may differ (run the "
-                            "cell again without %%profile)")
-                changed = _changed(self._inputs.get(n), self._signature(source))
-                if changed:
-                    return None, (f"no plain run to compare with: {changed} when In[{n}] ran "
-                                  "this code (run the cell again without %%profile)")
+                            f"no plain run to compare with: In[{k}] {how} after In[{n}] ran "
+                            "this code, so its inputs may differ (run the cell again without "
+                            "%%profile)")
                 return record.wall_s, f"In[{n}]"
             cold = cold or n
         if cold is None:
@@ -257,39 +246,22 @@ class CellReporter:
                       "--warmup 1, which runs it once more first: a training cell trains "
                       "once more)")
 
-    def _bound(self, source: str, names: Collection[str]) -> set[str]:
-        """Which of `names` a cell's code binds again (a cell magic's body too), or moves
-        (`%device ... --move` moves them all)."""
+    def _touched(self, source: str, names: Collection[str]) -> str | None:
+        """What a cell's code (a cell magic's body too) did to one of `names`, in words:
+        "bound x again", "changed x in place" (cells.names_changed), "moved every tensor"
+        (`%device ... --move`); None where nothing."""
         if any(line.startswith("%device") and "--move" in line for line in source.splitlines()):
-            return set(names)
+            return "moved every tensor" if names else None
         if source.startswith("%%"):
             source = source.partition("\n")[2]
-        return names_bound(self._shell.transform_cell(source)) & set(names)
-
-    def _signature(self, source: str) -> Signature | None:
-        """The signature (namespace.signature) of what `source`'s code reads, now (None
-        where a value of the user's raised when looked at); the names it reads parsed
-        once a text (a cell run again and again: tens of µs each)."""
-        try:
-            names = self._names.get(key := hash(source))
-            if names is None:
-                names = tuple(sorted(names_read(self._shell, source)))
-                _keep(self._names, key, names, self.history.maxlen)
-            return signature(self._shell.user_ns, names)
-        except Exception:
-            _log.debug("what the cell reads could not be read", exc_info=True)
-            return None
-
-    def _note_reading(self, source: str) -> None:
-        """As a cell starts: its text's fingerprint is seen; where it was seen before, the
-        cell may be the warm plain run that %%profile compares with, so what its code reads
-        is kept (a hash and a set lookup for other cells; a cell magic's body is never that
-        run). A run whose text differs from the earlier run's by more than trailing
-        whitespace keeps nothing, and %%profile says it does not know its inputs."""
-        key = _key(source)
-        if key in self._seen and not source.startswith("%%"):
-            self._reading = self._signature(source)
-        self._seen.add(key)
+        source = self._shell.transform_cell(source)
+        bound = sorted(names_bound(source) & set(names))
+        if bound:
+            return f"bound {bound[0]} again"
+        ns = self._shell.user_ns
+        modules = {n for n in names if issubclass(type(ns.get(n)), torch.nn.Module)}
+        changed = sorted(names_changed(source, names, modules))
+        return f"changed {changed[0]} in place" if changed else None
 
     def pre_run_cell(self, info: object) -> None:
         self._loading = None  # a cell of its own: we were loaded outside a cell
@@ -300,9 +272,8 @@ class CellReporter:
         if len(self._open) > 1:
             return  # a cell run inside a cell: the outer one is measured
         self._adopted, self._fault, self._line_open, self._printing = None, None, False, False
-        self._profiled, self._reading = False, None
+        self._profiled = False
         try:
-            self._note_reading(getattr(info, "raw_cell", ""))
             self._printing = self._prints()  # once a cell: the cell's line goes the same way
             if self._printing:
                 self._watch_stdout()
@@ -403,9 +374,6 @@ class CellReporter:
         record = adopted or measured
         record.cell = cell
         self.history.append(record)
-        reading, self._reading = self._reading, None
-        if reading is not None and cell is not None:
-            _keep(self._inputs, cell, reading, self.history.maxlen)
         if adopted is None and self.shows(record):
             note = " (profiled)" if self._profiled else ""
             if self._printing:
@@ -479,35 +447,6 @@ class CellReporter:
 def _code(source: str) -> str:
     """A cell's code for comparison: no blank lines, no trailing whitespace."""
     return "\n".join(line.rstrip() for line in source.splitlines() if line.strip())
-
-
-def _key(source: str) -> int:
-    """A fingerprint of a cell's text, or of a cell magic's body, its trailing whitespace
-    aside: its hash, 1.3 µs for a one-line cell in a shell, 2 µs for 30 lines (a key
-    shared by every two texts of equal `_code` cost 2-3 µs more)."""
-    if source.startswith("%%"):
-        source = source.partition("\n")[2]
-    return hash(source.rstrip() if source[-1:].isspace() else source)
-
-
-def _keep(kept: dict[int, Any], key: int, value: Any, most: int) -> None:
-    """`kept[key] = value`, the oldest entry dropped past `most` (as the history drops
-    its oldest records)."""
-    kept[key] = value
-    if len(kept) > most:
-        del kept[next(iter(kept))]
-
-
-def _changed(then: Signature | None, now: Signature | None) -> str | None:
-    """What differs between two signatures of what a code reads, in words (None: nothing):
-    the first name whose tensor or module is not as it was."""
-    if then is None or now is None:
-        return "the shapes and devices of what it read then are not known"
-    if then == now:
-        return None
-    was, now_is = {e[0]: e for e in then}, {e[0]: e for e in now}
-    name = min(n for n in was.keys() | now_is.keys() if was.get(n) != now_is.get(n))
-    return f"{name} is {described(now_is.get(name))} now, and was {described(was.get(name))}"
 
 
 def _ran(source: str, code: str) -> bool:

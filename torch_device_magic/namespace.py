@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -37,9 +37,6 @@ _SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # hol
 # Their attributes are code and other modules, not the cell's data.
 _NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
                 types.MethodType)
-# `signature`'s: (name, its sizes or a module's type, dtype, device), by name; put in
-# words by `described` only where two differ
-Signature = tuple[tuple[str, Any, Any, Any], ...]
 
 # Where a tensor sits in the object a row is named after. DATA and STATE count
 # in the row's bytes; DATA, STATE and PARAM give its devices; every role counts
@@ -392,49 +389,6 @@ def shape_of(t: Tensor) -> tuple[int | None, ...]:
             except RuntimeError:
                 sizes.append(None)
         return tuple(sizes)
-
-
-def signature(namespace: Mapping[str, object], names: Iterable[str]) -> Signature:
-    """What decides how long code takes on what `names` (in order) hold, cheaply: each
-    tensor's sizes, dtype and device, each module's type and its first parameter's dtype
-    and device, by name; other values are left out. Compared as they are; `described`
-    says one in words."""
-    out: list[tuple[str, Any, Any, Any]] = []
-    for name in names:
-        value = namespace.get(name)
-        if isinstance(value, Tensor):
-            out.append((name, None if is_lazy(value) else shape_of(value), value.dtype,
-                        value.device))
-        elif isinstance(value, torch.nn.Module):
-            first = _first_parameter(value)
-            if first is not None:
-                out.append((name, type(value), first.dtype, first.device))
-    return tuple(out)
-
-
-def _first_parameter(module: torch.nn.Module) -> Tensor | None:
-    """`next(module.parameters(), None)`, in a fifth of its time: the modules in the same
-    order (each before its children), their own parameters read directly."""
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        for p in m._parameters.values():
-            if p is not None:
-                return p
-        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return None
-
-
-def described(entry: tuple[str, Any, Any, Any] | None) -> str:
-    """One entry of a `signature` in words: "(64, 64) float32 on cpu", "a Linear on cpu,
-    float32"."""
-    if entry is None:
-        return "no tensor or module"
-    _, sizes, dtype, device = entry
-    dtype = str(dtype).removeprefix("torch.")
-    if isinstance(sizes, type):
-        return f"a {sizes.__name__} on {device}, {dtype}"
-    return f"{'lazy' if sizes is None else sizes} {dtype} on {device}"
 
 
 def _shape(obj: object, f: _Found) -> str:

@@ -90,9 +90,10 @@ class TorchDeviceProfileMagics(MagicsGroup):
         Cost: the profiler adds a few µs to every op and each traced line a few
         more; the overview compares with a warm plain run of the same code where
         one is known (the last warm-up, else the last run of a cell with this
-        code that ran before, blank lines and trailing spaces aside, whose
-        tensors and modules read by name had the shapes, dtypes and devices
-        they have now) and the per-cell line says "(profiled)". Ops of threads the cell starts are
+        code that ran before, blank lines and trailing spaces aside, unless a
+        later cell bound a name it reads again or changed one in place:
+        x.data = ..., x.resize_(), model.cuda()) and the per-cell line says
+        "(profiled)". Ops of threads the cell starts are
         recorded with `--threads` (every thread; torch 2.13 then records no
         memory allocations), else the overview says the cell started threads.
         CUDA is recorded only where it was already up when recording began (a

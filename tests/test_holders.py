@@ -435,6 +435,20 @@ def test_every_ipython_reference_to_a_result_is_a_holder(ip):
     assert hidden(ip)[f"_{shown}"].nbytes == {"cpu": 4 * MIB}
 
 
+def test_the_results_ipython_keeps_as_double_and_triple_underscore_are_holders(ip):
+    """Point 3: one result later, `__` still holds a result whose `Out[n]` and `_n` are
+    gone; two later, `___`; three later, nothing."""
+    shown = cell(ip, f"torch.ones({MIB})").execution_count
+    cell(ip, f"del Out[{shown}], _{shown}")
+    ip.user_ns_hidden.pop(f"_{shown}", None)  # IPython's copy of the name: gone too
+    cell(ip, "1")
+    assert list(hidden(ip)) == ["__"] and hidden(ip)["__"].nbytes == {"cpu": 4 * MIB}
+    cell(ip, "2")
+    assert list(hidden(ip)) == ["___"]
+    cell(ip, "3")  # IPython keeps three results: it is let go of
+    assert list(hidden(ip)) == []
+
+
 def test_gpufree_lets_go_of_the_last_result_too(ip, capsys):
     """Point 3: in the next cell, IPython's last execution result still holds the tensor;
     %gpufree lets go of it as %xdel does, so the memory comes back in that cell."""

@@ -385,6 +385,22 @@ def test_the_device_busy_share_is_of_the_wall_the_events_cover():
                    for a in advise([kernel], analysis, {}, Setting(wall_s=10.0)))
 
 
+def test_the_cpu_threads_share_is_of_the_wall_the_events_cover():
+    """Rule 7 sets torch's recorded CPU ops against the recorded wall, as rule 2 does."""
+    from torch_device_magic.advice.profile_rules import Setting, advise
+    from torch_device_magic.profile.events import Event
+
+    op = Event("aten::mm", "op", 0, 800_000_000)  # 0.8 s of ops in 1 s recorded of 10 s
+    analysis = analyse([op])
+    analysis.recorded_s = 1.0
+    [got] = [a for a in advise([op], analysis, {}, Setting(wall_s=10.0, cores=8, threads=1))
+             if a.rule == "CPU threads"]
+    assert got.text.startswith("torch's CPU ops took 80% of the wall on 1 thread, far below")
+    analysis.recorded_s = None  # everything recorded: the cell's own wall
+    assert not any(a.rule == "CPU threads" for a in advise(
+        [op], analysis, {}, Setting(wall_s=10.0, cores=8, threads=1)))
+
+
 def test_a_cells_own_profiler_past_the_window_is_left_alone(ip, capsys):
     ip.run_cell("%%profile\nfor i in range(20):\n    y = torch.ones(2) + i\n    if i == 15:\n"
                 "        with torch.profiler.profile() as own:\n            z = torch.zeros(3)")

@@ -424,9 +424,23 @@ def test_a_mismatch_under_ondevice_says_what_was_not_moved_not_to_run_it_again(
     assert "Expected all tensors to be on the same device" in out
     lines = hint_block(out)
     assert said in lines
-    assert lines[-1].startswith("  Fix: .to(tdmdev) ")
+    assert lines[-1].startswith("  Fix: .to('tdmdev') ")
     assert not any("run the cell with %%ondevice" in line for line in lines)
     assert not any("%%ondevice cannot move these" in line for line in lines)  # said once
+
+
+def test_a_mismatch_under_ondevice_restore_names_no_tensor_that_was_sent_back(
+        ip, tdmdev, capsys):
+    """Under --restore the names' tensors are back on the CPU when the hint is made: it
+    does not say they were not moved, only what the code it calls keeps."""
+    ip.run_cell(CLOSURE)
+    capsys.readouterr()
+    show(ip, "%%ondevice tdmdev --restore\ns = scale(vals)")
+    lines = hint_block(capsys.readouterr().out)
+    assert ip.user_ns["vals"].device.type == "cpu"  # sent back
+    assert ("  %%ondevice tdmdev moved what the cell uses before it ran (--restore has sent "
+            "it back since), but not these: scale keeps w in a closure.") in lines
+    assert not any("vals (cpu)" in line and "not these" in line for line in lines)
 
 
 def test_a_mismatch_in_a_plain_cell_still_says_run_it_under_ondevice(ip, tdmdev, capsys):

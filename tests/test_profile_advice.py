@@ -154,9 +154,17 @@ def test_a_busy_machine_neither_hides_tiny_ops_nor_makes_work_look_tiny():
     2 and 18-21 µs; a 128x128 matmul's read 30-38 µs, busy or not (2 cores, measured)."""
     line = "out.append(torch.randn(8))"
     [tiny] = _tiny(_inner(line, "aten::randn", ns=500_000, op_ns=2_000), 100)
-    assert "1,700 calls of aten::randn at 500 µs a call" in tiny.text
+    assert "1,700 calls of aten::randn at 500 µs a call (2 µs in the op)" in tiny.text
     matmul = "out.append(w @ w)"  # 128x128: work, on an idle machine
     assert _tiny(_inner(matmul, "aten::matmul", ns=40_000, op_ns=30_000), 100) == []
+
+
+def test_a_line_of_small_selects_around_big_matmuls_is_work():
+    """The op the line spends most in decides, not the most called one: `x[i] @ w` calls
+    aten::select as often as aten::matmul, but the matmul's 600 µs a call are work."""
+    line = "outs = [x[i] @ w for i in range(1500)]"
+    body = [(2, line, "aten::select", 2_000), (2, line, "aten::matmul", 600_000)]
+    assert _tiny(body, 1500) == []
 
 
 def test_a_comprehension_counts_the_statements_runs_not_its_iterations():

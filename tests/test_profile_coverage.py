@@ -272,14 +272,30 @@ def test_a_plain_run_whose_inputs_changed_in_place_is_not_compared(ip, setup, ch
 
 
 def test_a_plain_run_whose_inputs_were_only_read_since_is_compared(ip):
+    code = "y = model(torch.relu(x @ x))"  # reads torch too: a module of Python's, no input
     run(ip, "x = torch.randn(64, 64)\nmodel = torch.nn.Linear(64, 64)")
-    run(ip, "y = model(x @ x)")
-    plain = run(ip, "y = model(x @ x)").execution_count
+    run(ip, code)
+    plain = run(ip, code).execution_count
     for cell in ("print(x.shape, x.dtype)", "z = x.sum() + model.weight.mean()",
-                 "w = x.to(torch.float64)", "model.eval()", "x[0] = 1"):
+                 "w = x.to(torch.float64)", "model.eval()", "x[0] = 1",
+                 "model(x).sum().backward()\n"
+                 "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+                 "torch.nn.init.zeros_(model.bias)", "%%ondevice cpu --restore\nz = x.sum()"):
         run(ip, cell)  # reads them, or changes values only: shapes and devices stay
-    report = run(ip, "%%profile -o\ny = model(x @ x)").result
+    report = run(ip, f"%%profile -o\n{code}").result
     assert report.plain_wall_s is not None and report.plain_from == f"In[{plain}]"
+
+
+def test_a_plain_run_before_an_ondevice_cell_kept_its_inputs_there_is_not_compared(ip, tdmdev):
+    run(ip, "x = torch.randn(64, 64)")
+    run(ip, "y = x @ x")
+    plain = run(ip, "y = x @ x").execution_count
+    moved = run(ip, "%%ondevice tdmdev\nz = x.sum()").execution_count  # x stays there
+    assert ip.user_ns["x"].device.type == "tdmdev"
+    report = run(ip, "%%profile -o\ny = x @ x").result
+    assert report.plain_wall_s is None
+    assert (f"no plain run to compare with: In[{moved}] moved x (%%ondevice tdmdev) after "
+            f"In[{plain}] ran this code, so its inputs may differ") in " ".join(report.notes)
 
 
 def test_inputs_that_raise_when_looked_at_break_nothing(ip):

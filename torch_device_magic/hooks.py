@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from IPython.core.displaypub import DisplayPublisher
 
-from .cells import first_code_line, names_bound, names_changed, only_comments
+from .cells import first_code_line, names_bound, names_changed, names_read, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
@@ -249,18 +250,27 @@ class CellReporter:
     def _touched(self, source: str, names: Collection[str]) -> str | None:
         """What a cell's code (a cell magic's body too) did to one of `names`, in words:
         "bound x again", "changed x in place" (cells.names_changed), "moved every tensor"
-        (`%device ... --move`); None where nothing."""
+        (`%device ... --move`), "moved x (%%ondevice cuda)" (without --restore, it keeps
+        what the body reads on its device); None where nothing."""
         if any(line.startswith("%device") and "--move" in line for line in source.splitlines()):
             return "moved every tensor" if names else None
-        if source.startswith("%%"):
-            source = source.partition("\n")[2]
+        first, _, body = source.partition("\n")
+        if first.startswith("%%"):
+            source = body
         source = self._shell.transform_cell(source)
+        if first.startswith("%%ondevice") and "--restore" not in first:
+            moved = sorted(names_read(self._shell, body) & set(names))
+            if moved:  # the same objects, on another device since
+                return f"moved {moved[0]} ({first.strip()})"
         bound = sorted(names_bound(source) & set(names))
         if bound:
             return f"bound {bound[0]} again"
+        # A module of Python's (torch, np) is no input: torch.nn.init.zeros_(w) changes w
         ns = self._shell.user_ns
-        modules = {n for n in names if issubclass(type(ns.get(n)), torch.nn.Module)}
-        changed = sorted(names_changed(source, names, modules))
+        values = {n: type(ns.get(n)) for n in names}
+        inputs = {n for n, kind in values.items() if not issubclass(kind, types.ModuleType)}
+        modules = {n for n in inputs if issubclass(values[n], torch.nn.Module)}
+        changed = sorted(names_changed(source, inputs, modules))
         return f"changed {changed[0]} in place" if changed else None
 
     def pre_run_cell(self, info: object) -> None:

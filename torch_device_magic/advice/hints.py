@@ -72,11 +72,13 @@ def hint(
     session_device: torch.device | None,
     cell_default: torch.device | None = None,
     cuda_start: str | None = None,
+    restored: bool = False,
 ) -> str | None:
     """The hint block for `error` raised by the cell `source`, or None for other errors.
 
     `cell_default` is the default device a `%%ondevice` cell ran under, which is
-    no longer in force when the hint is made; `cuda_start` says which cell
+    no longer in force when the hint is made (`restored`: its --restore sent back what
+    it moved); `cuda_start` says which cell
     initialised CUDA ("CUDA initialised by cell [7]: ..."), where that is known.
 
     For an out-of-memory error it also clears the local variables of the
@@ -101,7 +103,7 @@ def hint(
     if _FORKED in message:  # also re-raised by the DataLoader from its worker
         return _forked(session_device, cuda_start)
     if _MISMATCH.search(message):
-        return _mismatch(message, namespace, source, session_device, cell_default)
+        return _mismatch(message, namespace, source, session_device, cell_default, restored)
     if "Attempting to deserialize object on" in message:
         return _checkpoint(session_device)
     default = cell_default or torch_default_device()
@@ -112,10 +114,11 @@ def hint(
 
 def _mismatch(
     message: str, namespace: dict[str, object], source: str, session: torch.device | None,
-    cell_device: torch.device | None,
+    cell_device: torch.device | None, restored: bool = False,
 ) -> str:
     """The names the cell uses, their devices, and the fix; `cell_device` is the device of
-    the `%%ondevice` the cell ran under, which moved what the cell uses already."""
+    the `%%ondevice` the cell ran under, which moved what the cell uses already (and sent
+    it back where `restored`)."""
     used = [name for name in code_words(source) if name in namespace]
     reached = reach(namespace, used, cell_attributes(source))  # and what the code it can call reads
     used += sorted(reached.names - set(used))
@@ -137,7 +140,8 @@ def _mismatch(
             "and load its weights (load_state_dict)."
         )
     elif cell_device is not None:  # not "run it under %%ondevice": it just did
-        return "\n".join(lines + _not_moved(cell_device, rows, held))
+        return "\n".join(lines + _not_moved(cell_device, [] if restored else rows, held,
+                                             restored))
     else:
         lines.append(
             f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
@@ -148,22 +152,26 @@ def _mismatch(
     return "\n".join(lines)
 
 
-def _not_moved(device: torch.device, rows: list[TensorRow], held: str) -> list[str]:
+def _not_moved(device: torch.device, rows: list[TensorRow], held: str,
+               restored: bool = False) -> list[str]:
     """What a cell that ran under `%%ondevice DEVICE` uses that is elsewhere all the same
     (a name it bound there, what a closure or a module of the user's keeps: `held`), or
-    where such a tensor comes from, and how to bring it."""
+    where such a tensor comes from, and how to bring it. `restored`: --restore sent back
+    what moved, so where the names' tensors are now says nothing (pass no `rows`)."""
     target = str(device)
     elsewhere = ", ".join(f"{r.name} ({r.device})" for r in rows if not _all_on(r, device))
     what = "; ".join(filter(None, (elsewhere, held)))
     moved = f"  %%ondevice {target} moved what the cell uses before it ran"
+    if restored:
+        moved += " (--restore has sent it back since)"
     if what:
         return [f"{moved}, but not these: {what}.",
-                f"  Fix: .to({target}) them yourself, or pass them to the function as "
+                f"  Fix: .to('{target}') them yourself, or pass them to the function as "
                 "arguments (what the cell names moves)."]
     return [f"{moved}; the other tensor is one it cannot see: one the cell made on the CPU "
             "(torch.from_numpy, torch.load without map_location, device='cpu'), or one an "
             "object keeps in its attributes.",
-            f"  Fix: .to({target}) it where it is made, or pass it to the function as an "
+            f"  Fix: .to('{target}') it where it is made, or pass it to the function as an "
             "argument."]
 
 

@@ -263,8 +263,9 @@ def tiny_ops(f: _Facts) -> Advice | None:
             continue
         ran = (f"ran {plural(runs, 'time')} ({row.hits:,} iterations of its loop or "
                f"comprehension)" if runs != row.hits else f"ran {row.hits:,} times")
-        what = f"{calls:,} calls of {op} at {fmt_seconds(each)} a call" if op else (
-            f"at {fmt_seconds(each)} a time")
+        what = (f"{calls:,} calls of {op} at {fmt_seconds(each)} a call"
+                + ("" if call_s is None else f" ({fmt_seconds(call_s)} in the op)")
+                if op else f"at {fmt_seconds(each)} a time")
         return Advice("tiny ops", share, TINY_SHARE, row.where, (
             f"line {row.where} {ran}: {what} took {share:.0%} of the wall (over "
             f"{TINY_SHARE:.0%}), mostly the per-call overhead of small ops; "
@@ -308,7 +309,7 @@ class _LineCounts:
                     for n in lines if n in loop), default=1)
 
     def of(self, name: str, hits: int) -> tuple[str | None, int, int, float | None]:
-        """A line range's most called op, its calls and the line's runs, over every step
+        """The op a line range spent most in, its calls and the line's runs, over every step
         (the events' counts scaled by the line's hits where the events cover fewer
         steps), and the median time of one of the op's calls recorded (None: no op)."""
         if not self.events[name]:
@@ -317,7 +318,8 @@ class _LineCounts:
         runs = max(round(self.runs[name] * scale), 1)
         if not self.ops[name]:
             return None, hits, runs, None
-        op, took = max(self.ops[name].items(), key=lambda item: len(item[1]))
+        # the op the line spent most in: a line of small selects around big matmuls is work
+        op, took = max(self.ops[name].items(), key=lambda item: sum(item[1]))
         return op, round(len(took) * scale), runs, statistics.median(took) / 1e9
 
 

@@ -80,8 +80,8 @@ class TorchDeviceMagics(Magics):
         self.reporter = CellReporter()
         self.session = Session()
         self._advisor: Advisor | None = None  # made with the shell, once
-        # (id(error), %%ondevice's device): the hint is told what was in force
-        self.failed_under: tuple[int, torch.device] | None = None
+        # (id(error), %%ondevice's device, its --restore): the hint is told what was in force
+        self.failed_under: tuple[int, torch.device, bool] | None = None
         self.traces = profile.TraceFiles()  # %%profile's unnamed traces: the last one is kept
         super().__init__(shell=shell)
 
@@ -128,10 +128,12 @@ class TorchDeviceMagics(Magics):
 
     def _hint(self, error: BaseException, source: str) -> str | None:
         failed, self.failed_under = self.failed_under, None
-        cell_default = failed[1] if failed is not None and failed[0] == id(error) else None
+        ours = failed is not None and failed[0] == id(error)
         cuda_start = self.reporter.cuda_start
-        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
-                          None if cuda_start is None else str(cuda_start))
+        return hints.hint(error, self.shell.user_ns, source, self.session.device,
+                          failed[1] if ours else None,  # type: ignore[index]
+                          None if cuda_start is None else str(cuda_start),
+                          restored=ours and failed[2])  # type: ignore[index]
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:

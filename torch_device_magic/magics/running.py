@@ -231,7 +231,7 @@ class TorchDeviceRunMagics(MagicsGroup):
         except BaseException as err:
             if moved is not None:  # the cell's error, not the move's
                 # The hint comes after the default is restored: tell it what was in force.
-                self.core.failed_under, failed = (id(err), dev), True
+                self.core.failed_under, failed = (id(err), dev, bool(args.restore)), True
             raise
         finally:
             if args.restore and moved is not None:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from IPython.core.displaypub import DisplayPublisher
 
-from .cells import first_code_line, names_bound, names_changed, names_read, only_comments
+from .cells import cell_names, first_code_line, names_bound, names_changed, only_comments
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
@@ -259,7 +259,7 @@ class CellReporter:
             source = body
         source = self._shell.transform_cell(source)
         if first.startswith("%%ondevice") and "--restore" not in first:
-            moved = sorted(names_read(self._shell, body) & set(names))
+            moved = sorted(cell_names(source) & set(names))
             if moved:  # the same objects, on another device since
                 return f"moved {moved[0]} ({first.strip()})"
         bound = sorted(names_bound(source) & set(names))

@@ -78,8 +78,8 @@ def hint(
 
     `cell_default` is the default device a `%%ondevice` cell ran under, which is
     no longer in force when the hint is made (`restored`: its --restore sent back what
-    it moved); `cuda_start` says which cell
-    initialised CUDA ("CUDA initialised by cell [7]: ..."), where that is known.
+    it moved); `cuda_start` says which cell initialised CUDA ("CUDA initialised by
+    cell [7]: ..."), where that is known.
 
     For an out-of-memory error it also clears the local variables of the
     traceback's frames and `sys.last_*`, so that their tensors can be freed.
@@ -140,8 +140,7 @@ def _mismatch(
             "and load its weights (load_state_dict)."
         )
     elif cell_device is not None:  # not "run it under %%ondevice": it just did
-        return "\n".join(lines + _not_moved(cell_device, [] if restored else rows, held,
-                                             restored))
+        return "\n".join(lines + _not_moved(cell_device, rows, held, restored))
     else:
         lines.append(
             f"  Fix: run the cell with %%ondevice {target} (moves what it uses there), "
@@ -157,9 +156,10 @@ def _not_moved(device: torch.device, rows: list[TensorRow], held: str,
     """What a cell that ran under `%%ondevice DEVICE` uses that is elsewhere all the same
     (a name it bound there, what a closure or a module of the user's keeps: `held`), or
     where such a tensor comes from, and how to bring it. `restored`: --restore sent back
-    what moved, so where the names' tensors are now says nothing (pass no `rows`)."""
+    what moved, so where the names' tensors are now says nothing."""
     target = str(device)
-    elsewhere = ", ".join(f"{r.name} ({r.device})" for r in rows if not _all_on(r, device))
+    elsewhere = "" if restored else ", ".join(
+        f"{r.name} ({r.device})" for r in rows if not _all_on(r, device))
     what = "; ".join(filter(None, (elsewhere, held)))
     moved = f"  %%ondevice {target} moved what the cell uses before it ran"
     if restored:

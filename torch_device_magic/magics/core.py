@@ -128,12 +128,11 @@ class TorchDeviceMagics(Magics):
 
     def _hint(self, error: BaseException, source: str) -> str | None:
         failed, self.failed_under = self.failed_under, None
-        ours = failed is not None and failed[0] == id(error)
+        ours = failed if failed is not None and failed[0] == id(error) else None
+        _, cell_default, restored = ours or (0, None, False)
         cuda_start = self.reporter.cuda_start
-        return hints.hint(error, self.shell.user_ns, source, self.session.device,
-                          failed[1] if ours else None,  # type: ignore[index]
-                          None if cuda_start is None else str(cuda_start),
-                          restored=ours and failed[2])  # type: ignore[index]
+        return hints.hint(error, self.shell.user_ns, source, self.session.device, cell_default,
+                          None if cuda_start is None else str(cuda_start), restored=restored)
 
     @observe("set_torch_default")
     def _torch_default_switched(self, change: Any) -> None:

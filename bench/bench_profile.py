@@ -40,7 +40,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 from torch_device_magic import cells
-from torch_device_magic.profile import Capture, Options
+from torch_device_magic.profile import Capture, Options, TraceFiles, profile_cell
 
 SETUP = """
 import torch
@@ -88,7 +88,8 @@ def magic(ip: InteractiveShell, trace: str) -> None:
 
 def engine(ip: InteractiveShell, lines: bool, trace: str) -> None:
     run, filename = cells.compile_cell(ip, STEP)
-    report, _ = Capture(run, filename, "In[1]", Options(trace=trace, lines=lines, steps=0))(print)
+    capture = Capture(run, filename, "In[1]", Options(trace=trace, lines=lines, steps=0))
+    report, _ = profile_cell(capture, print, TraceFiles())
     print(report)
 
 

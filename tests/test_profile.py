@@ -18,8 +18,9 @@ import torch
 from fakegpu import FakeMachine, Gpu
 from IPython.core.error import UsageError
 
+from torch_device_magic.kineto.analysis import analyse
+from torch_device_magic.kineto.events import Event
 from torch_device_magic.profile import ProfileReport
-from torch_device_magic.profile.events import Event, analyse
 
 SLOW = "big = torch.randn(300, 300) @ torch.randn(300, 300)"
 

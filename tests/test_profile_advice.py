@@ -17,7 +17,8 @@ from fakegpu import FakeMachine, Gpu
 
 from torch_device_magic.advice import profile_rules
 from torch_device_magic.advice.profile_rules import Advice, Setting, advise
-from torch_device_magic.profile.events import Event, analyse
+from torch_device_magic.kineto.analysis import analyse
+from torch_device_magic.kineto.events import Event
 
 
 def profile(ip, line: str, cell: str):

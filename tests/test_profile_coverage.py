@@ -12,7 +12,8 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from torch_device_magic.profile import capture, events, memtimeline
+from torch_device_magic.kineto import events
+from torch_device_magic.profile import capture, memtimeline, reading
 
 THREADS = """import threading
 def work():
@@ -72,7 +73,8 @@ def test_without_threads_the_overview_says_the_cell_started_threads(ip, capsys):
 
 
 def test_threads_where_torch_cannot_record_them_is_one_sentence(ip, capsys, monkeypatch):
-    monkeypatch.setattr(capture, "_ALL_THREADS", None)  # an older torch
+    monkeypatch.setattr(capture, "ALL_THREADS", None)  # an older torch
+    monkeypatch.setattr(reading, "ALL_THREADS", None)
     with pytest.raises(UsageError, match="cannot record other threads"):
         ip.run_cell("%%profile --threads\nran = True")
     assert "ran" not in ip.user_ns

@@ -16,7 +16,8 @@ from test_profile_advice import Capture, profile, rules
 from torch_device_magic.advice import profile_rules
 from torch_device_magic.advice.notes import Advisor
 from torch_device_magic.advice.profile_rules import Setting, advise, read_setting
-from torch_device_magic.profile.events import Event, analyse, from_kineto
+from torch_device_magic.kineto.analysis import analyse
+from torch_device_magic.kineto.events import Event, from_kineto
 from torch_device_magic.profile.tables import ProfileReport
 
 pytestmark = pytest.mark.once  # nothing here depends on IPython's version

@@ -19,8 +19,8 @@ import torch
 from IPython.core.error import UsageError
 from pythonpath import child_env
 
-from torch_device_magic.profile import ProfileReport, capture, tables
-from torch_device_magic.profile.events import analyse
+from torch_device_magic.kineto.analysis import analyse
+from torch_device_magic.profile import ProfileReport, capture, lines, tables
 
 LOOP = ("w = torch.ones(8, 8)\n"
         "for i in range({n}):\n    y = (w @ w).relu()\n    z = y.sum()\ndone = i")
@@ -137,7 +137,7 @@ def test_a_long_loop_is_recorded_up_to_a_bound_and_its_lines_timed_over_every_st
     assert 0 < long.trace_bytes < 1.5 * short.trace_bytes  # the last one only is kept
     for report, n in ((short, 200), (long, 2000)):
         assert (report.steps, report.full_steps) == (n, 5)
-        assert report.loops == [capture.LoopSteps("2", [n])]
+        assert report.loops == [lines.LoopSteps("2", [n])]
         assert row(report, "y = (w @ w).relu()").hits == n
         assert row(report, "done = i").hits == 1  # after the loop
         assert sum(r.wall_s for r in report.lines) <= report.wall_s
@@ -160,7 +160,7 @@ def test_each_top_level_loop_is_windowed_on_its_own_and_its_steps_said(ip):
     report = profile_o(ip, "for p in range(7):\n    a = torch.zeros(2)\n"
                            "for i in range(40):\n    b = torch.ones(2)")
     assert calls(report, "aten::zeros") == calls(report, "aten::ones") == 6
-    assert report.loops == [capture.LoopSteps("1", [7]), capture.LoopSteps("3", [40])]
+    assert report.loops == [lines.LoopSteps("1", [7]), lines.LoopSteps("3", [40])]
     assert row(report, "b = torch.ones(2)").cpu_s > 0  # the second loop is recorded too
     assert ("steps 1–6 (of 7) of the loop on line 1, 1–6 (of 40) of the loop on line 3"
             in report.overview())
@@ -172,7 +172,7 @@ def test_each_top_level_loop_is_windowed_on_its_own_and_its_steps_said(ip):
 def test_each_run_of_n_is_windowed_alike(ip):
     report = profile_o(ip, LOOP.format(n=20), "-n 3")
     assert calls(report, "aten::mm") == 3 * 6
-    assert report.loops == [capture.LoopSteps("2", [20, 20, 20])]
+    assert report.loops == [lines.LoopSteps("2", [20, 20, 20])]
     assert "steps 1–6 of each of 3 runs (of 60) of the loop on line 2" in report.overview()
 
 
@@ -221,7 +221,7 @@ def test_a_leading_blank_line_does_not_shift_the_line_numbers(ip):
     report = profile_o(ip, "\n\ny = torch.ones(2)\nfor i in range(10):\n    z = y + i")
     assert [(r.where, r.code) for r in report.lines][:2] == [
         ("3", "y = torch.ones(2)"), ("4", "for i in range(10):")]
-    assert report.loops == [capture.LoopSteps("4", [10])]
+    assert report.loops == [lines.LoopSteps("4", [10])]
 
 
 def test_the_pointer_to_more_steps_says_their_cost_and_bounds_it(ip, monkeypatch):
@@ -296,8 +296,8 @@ def test_the_outer_loops_are_found_outside_functions_and_other_loops():
             for line in fh:
                 pass
     """)
-    assert capture.outer_loops(source) == {2: range(3, 6), 7: range(8, 9), 13: range(14, 15)}
-    assert capture.outer_loops("%time x = 1") == {}  # not Python: recorded in full
+    assert lines.outer_loops(source) == {2: range(3, 6), 7: range(8, 9), 13: range(14, 15)}
+    assert lines.outer_loops("%time x = 1") == {}  # not Python: recorded in full
 
 
 def test_a_large_trace_has_its_size_in_the_overview():
@@ -374,7 +374,7 @@ def test_an_unnamed_trace_that_cannot_be_written_leaves_no_file(ip, temp_dir, mo
 def test_the_device_busy_share_is_of_the_wall_the_events_cover():
     """Rule 2 and the overview set the recorded device time against the recorded wall."""
     from torch_device_magic.advice.profile_rules import Setting, advise
-    from torch_device_magic.profile.events import Event
+    from torch_device_magic.kineto.events import Event
 
     kernel = Event("gemm", "kernel", 0, 800_000_000)  # 0.8 s busy in 1 s recorded of 10 s
     analysis = analyse([kernel])
@@ -388,7 +388,7 @@ def test_the_device_busy_share_is_of_the_wall_the_events_cover():
 def test_the_cpu_threads_share_is_of_the_wall_the_events_cover():
     """Rule 7 sets torch's recorded CPU ops against the recorded wall, as rule 2 does."""
     from torch_device_magic.advice.profile_rules import Setting, advise
-    from torch_device_magic.profile.events import Event
+    from torch_device_magic.kineto.events import Event
 
     op = Event("aten::mm", "op", 0, 800_000_000)  # 0.8 s of ops in 1 s recorded of 10 s
     analysis = analyse([op])

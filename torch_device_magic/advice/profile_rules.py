@@ -1,6 +1,6 @@
 """`%%profile`'s advice: what to change, from the events the capture already read.
 
-Each rule is a plain function of the capture's events (profile.events.Event), their
+Each rule is a plain function of the capture's events (kineto.events.Event), their
 analysis, the line names and a few settings read once at the report (`Setting`);
 it returns an `Advice` record or None. The texts live here and nowhere else; the
 thresholds in thresholds.py, beside the per-cell notes' (two are shared, so that a
@@ -15,8 +15,11 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..kineto import names
+from ..kineto.analysis import Analysis
+from ..kineto.events import Event
 from ..units import fmt_bytes, fmt_seconds, plural
 from . import compiles
 from .thresholds import (
@@ -37,33 +40,6 @@ from .thresholds import (
     WARM_UP_WALL,
     capacity_share,
 )
-
-if TYPE_CHECKING:
-    from ..profile.events import Analysis, Event
-
-MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-                     "aten::linear", "aten::convolution", "aten::_convolution",
-                     "aten::cudnn_convolution", "aten::conv1d", "aten::conv2d",
-                     "aten::conv3d"})
-# the ops whose fp32 inputs take tensor cores under torch.backends.cuda.matmul's TF32; the
-# other MATMULS are convolutions, under torch.backends.cudnn's
-_CUBLAS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-                     "aten::linear"})
-_REDUCED = ("c10::Half", "c10::BFloat16", "c10::Float8")  # kineto's dtype names: tensor cores
-# kernel names, the second signal only (they change with every cuBLAS release): marks of a
-# tensor-core GEMM or convolution (Volta's to Hopper's: nvjet is cuBLASLt's on sm90), and of
-# the FMA units' (an xmma kernel of f32f32 types with ffma, an sgemm)
-_TENSOR_CORE_MARKS = ("nvjet", "tf32", "hmma", "gmma", "wmma", "tensorop", "884", "1688",
-                      "16816", "bf16", "f16")
-_NO_TENSOR_CORE_MARKS = ("ffma", "sgemm")
-_CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})  # a dtype cast's ops
-_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
-           "hipLaunchKernel")
-# first-call loading: CUDA's lazy module loading (CUPTI's rows), the driver's module loads,
-# torch.compile's compiling (its dynamo_timed ranges)
-_LOADING = frozenset({"Lazy Function Loading", "Runtime Triggered Module Loading"})
-_LOADING_CALLS = ("cuModuleLoad", "cuLibraryLoad")
-_COMPILING = " (dynamo_timed)"
 
 
 @dataclass(slots=True)
@@ -205,10 +181,10 @@ def _loading(f: _Facts) -> tuple[dict[str | None, int], list[str]]:
     first cuBLAS or cuDNN call's, an autotuner's candidates' too), the driver's module
     loads, compiling; the outermost of nested ones, by the line that ran at its start.
     And what loaded, in words."""
-    found = [e for e in f.of_kind("overhead") if e.name in _LOADING]
-    found += [e for e in f.of_kind("runtime") if e.name.startswith(_LOADING_CALLS)]
+    found = [e for e in f.of_kind("overhead") if e.name in names.LOADING]
+    found += [e for e in f.of_kind("runtime") if e.name.startswith(names.LOADING_CALLS)]
     kinds = ["CUDA loading kernels"] if found else []  # a first cuBLAS/cuDNN call's too
-    compiling = [e for e in f.of_kind("op") if e.name.endswith(_COMPILING)]
+    compiling = [e for e in f.of_kind("op") if e.name.endswith(names.COMPILING)]
     kinds += ["torch.compile compiling"] if compiling else []
     found += compiling
     line_at = f.analysis.line_at or (lambda t: None)
@@ -338,11 +314,6 @@ def _chained(code: str) -> bool:
     return False
 
 
-_FACTORIES = frozenset({"aten::randn", "aten::rand", "aten::randint", "aten::zeros",
-                        "aten::ones", "aten::empty", "aten::full", "aten::arange",
-                        "aten::randperm", "aten::normal", "aten::linspace", "aten::eye"})
-_INDEXING = frozenset({"aten::index", "aten::index_put_", "aten::select", "aten::slice",
-                       "aten::index_select", "aten::gather", "aten::masked_select"})
 
 
 def _batched(f: _Facts, code: str, op: str | None, per_run: int) -> str:
@@ -352,7 +323,7 @@ def _batched(f: _Facts, code: str, op: str | None, per_run: int) -> str:
         return ("update every parameter in one call: an optimizer with foreach=True "
                 "(torch.optim.SGD(parameters, lr=..., foreach=True)), or "
                 "torch._foreach_add_(params, grads, alpha=-lr)")
-    if op in _FACTORIES:
+    if op in names.FACTORIES:
         fn = "torch." + op.removeprefix("aten::")
         shape = max((c.shapes[0] for c in f.of_kind("op") if c.parent is not None
                      and c.parent.name == op and c.shapes and c.shapes[0]), default=None)
@@ -361,7 +332,7 @@ def _batched(f: _Facts, code: str, op: str | None, per_run: int) -> str:
             return (f"make them one batched call ({fn}({per_run}, {dims}), not {fn}({dims}) "
                     f"{per_run:,} times)")
         return f"make them one batched call ({fn} with a leading dimension for the count)"
-    if op in _INDEXING:
+    if op in names.INDEXING:
         return ("index once with a tensor of all the indices (x[idx], torch.gather, or "
                 "index_add_ to accumulate), not one element a call")
     return "do the work in fewer, larger calls"
@@ -425,7 +396,7 @@ def device_waits(f: _Facts) -> Advice | None:
     warm = f.warm_up_lines()  # no launch or host advice on a line that was loading
     kernels = sorted((k for k in f.of_kind("kernel") if k.line not in warm),
                      key=lambda e: e.start_ns)
-    launches = {e.correlation: e for e in f.of_kind("runtime") if e.name in _LAUNCH}
+    launches = {e.correlation: e for e in f.of_kind("runtime") if e.name in names.LAUNCH}
     short = [k for k in kernels if (r := launches.get(k.correlation)) is not None
              and k.end_ns - k.start_ns < r.end_ns - r.start_ns]
     if kernels and len(short) / len(kernels) >= SHORT_KERNELS:
@@ -461,9 +432,9 @@ def tensor_cores(f: _Facts) -> Advice | None:
         op = by_id.get(k.linked)
         # The innermost matmul around the kernel; a cast's kernel is none of its (under
         # autocast an fp32 matmul casts its inputs, then calls a bf16 one)
-        while op is not None and op.name not in MATMULS and op.name not in _CASTS:
+        while op is not None and op.name not in names.MATMULS and op.name not in names.CASTS:
             op = op.parent
-        if op is None or op.name in _CASTS:
+        if op is None or op.name in names.CASTS:
             continue
         uses = _op_tensor_cores(op, f.setting)
         if uses is None:
@@ -475,7 +446,7 @@ def tensor_cores(f: _Facts) -> Advice | None:
     lines = sorted({w for k, _ in without if (w := f.where(k.line)) is not None}, key=_line_key)
     said = f" on line{'s' if len(lines) > 1 else ''} {', '.join(lines)}" if lines else ""
     conv = ("; for convolutions, torch.backends.cudnn.allow_tf32 = True"
-            if any(op.name not in _CUBLAS for _, op in without) else "")
+            if any(op.name not in names.CUBLAS for _, op in without) else "")
     return Advice("tensor cores", float(len(without)), 0.0, lines[0] if lines else None, (
         f"{len(without):,} matmul/conv kernels{said} ran in fp32 without tensor cores on a "
         f"device of compute capability {cap[0]}.{cap[1]} (7.0 has them): torch.autocast("
@@ -488,19 +459,19 @@ def _op_tensor_cores(op: Event, s: Setting) -> bool | None:
     inputs' dtypes and torch's TF32 setting for it; None where its inputs say nothing
     (not recorded, or float64, integers)."""
     dtypes = [d for shape, d in zip(op.shapes, op.dtypes) if shape]  # tensors', not scalars
-    if any(d.startswith(_REDUCED) for d in dtypes):
+    if any(d.startswith(names.REDUCED) for d in dtypes):
         return True
     if not dtypes or any(d != "float" for d in dtypes):
         return None
-    return s.tf32_matmul if op.name in _CUBLAS else s.tf32_conv
+    return s.tf32_matmul if op.name in names.CUBLAS else s.tf32_conv
 
 
 def _kernel_tensor_cores(name: str) -> bool | None:
     """The second signal: what a kernel's name says, where it says anything."""
     name = name.lower()
-    if any(m in name for m in _TENSOR_CORE_MARKS):
+    if any(m in name for m in names.TENSOR_CORE_MARKS):
         return True
-    if any(m in name for m in _NO_TENSOR_CORE_MARKS):
+    if any(m in name for m in names.NO_TENSOR_CORE_MARKS):
         return False
     return None
 

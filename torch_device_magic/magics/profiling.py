@@ -126,13 +126,13 @@ class TorchDeviceProfileMagics(MagicsGroup):
         capture = profile.Capture(
             run, filename, f"In[{cells.cell_number(self.shell)}]", options, functions,
             *self.core.reporter.plain_run(cell, reads), source=cell,
-            loops=profile.outer_loops(self.shell.transform_cell(cell)), traces=self.core.traces,
-            namespace=self.shell.user_ns, reads=reads,
+            loops=profile.outer_loops(self.shell.transform_cell(cell)),
         )
         self.core.reporter.mark_profiled()
         self._profiling = True
         try:
-            report, value = capture(display)
+            report, value = profile.profile_cell(
+                capture, display, self.core.traces, self.shell.user_ns, reads)
         finally:
             self._profiling = False
         if args.output:

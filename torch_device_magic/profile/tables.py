@@ -6,23 +6,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..advice.profile_rules import Advice
+from ..kineto.analysis import Analysis, KernelRow, LineRow, OpRow
 from ..measure import Measurement
 from ..reports import Table
 from ..units import fmt_bytes, fmt_seconds, plural
-from .events import Analysis, KernelRow, LineRow, OpRow
+from .lines import LoopSteps
 from .traces import LARGE_BYTES
 
 FULL_EVENTS = 2_000_000  # a capture recording more is not offered as --steps 0 (ours: about
 # 1 GiB of kineto's record and a trace of several hundred MB)
-
-
-@dataclass(slots=True)
-class LoopSteps:
-    """One outer loop of the cell: its header's line and its steps, each time it was entered
-    (a run of `-n` enters it again)."""
-
-    line: str
-    steps: list[int]
 
 
 # --- the report ---------------------------------------------------------------------------

@@ -1,150 +1,17 @@
-"""The events `%%profile` reads from kineto, as plain records, and their analysis.
-
-`from_kineto` turns kineto's events into `Event`s (names and shapes, never a tensor);
-`analyse` nests them, attributes them to the cell's lines and sums the op, kernel and
-line rows, the device's busy time and the syncs in a loop (`Analysis`).
-"""
+"""What a capture's events say, in figures: `analyse` nests them, attributes them to the
+cell's lines and sums the op, kernel and line rows, the device's busy time and the syncs in
+a loop (`Analysis`)."""
 
 from __future__ import annotations
 
 import bisect
-import json
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from ..advice.profile_rules import MATMULS
 from ..units import plural
-
-LINE_PREFIX = "tdm:"  # our ranges' names start with it (and never an op's)
-_SYNC_CALLS = frozenset({
-    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-    "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize", "hipMemcpy",
-})
-_ITEM = frozenset({"aten::item", "aten::_local_scalar_dense"})
-# the outermost op around a synchronising call names the read (print(tensor) reads
-# by .item() and .cpu(); .tolist() by .cpu())
-_READS = {"aten::item": ".item()", "aten::_local_scalar_dense": ".item()",
-          "aten::to": ".cpu()/.to()/.tolist()", "aten::_to_copy": ".cpu()/.to()/.tolist()",
-          "aten::copy_": ".copy_()", "aten::nonzero": "nonzero()",
-          "aten::index": "boolean-mask indexing", "aten::masked_select": "boolean-mask indexing"}
-
-
-# --- the events, as plain records -------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Event:
-    """One kineto event, its times relative to the trace's start.
-
-    kind: "op" (a CPU op or a user's range), "line" (ours), "memory", "runtime" (a
-    CUDA runtime or driver call), "kernel", "memcpy", "memset" (device activity),
-    "overhead" (the profiler's own rows, CUPTI's: in no table, read by the advice).
-    """
-
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int = 0
-    thread: int = 0
-    correlation: int = 0  # a CPU op's id; device and runtime events link to it
-    linked: int = 0
-    shapes: tuple[tuple[int, ...], ...] = ()
-    nbytes: int = 0  # memory: + allocated, - freed; memcpy: bytes copied (0: unknown)
-    on_device: bool = False  # memory: on an accelerator (else host)
-    dtypes: tuple[str, ...] = ()  # an op's inputs', as kineto names them ('float', 'c10::Half')
-    # filled by the analysis
-    self_ns: int = 0
-    alloc_bytes: int = 0
-    device_ns: int = 0
-    line: str | None = None
-    parent: Event | None = None  # the innermost op or range around it, on its thread
-
-
-def from_kineto(result: Any, origin: int | None = None) -> list[Event]:
-    """The events of a finished capture (`prof.profiler.kineto_results`), their times
-    from `origin` (the trace's start by default; another session's, to put several on one
-    clock); read once, in one pass (tens of thousands of events: every call per event
-    counts)."""
-    start = result.trace_start_ns() if origin is None else origin
-    events = result.events()
-    cpu = torch.autograd.DeviceType.CPU
-    older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
-    linked = bool(events) and hasattr(events[0], "linked_correlation_id")
-    out: list[Event] = []
-    append = out.append
-    for e in events:
-        name = e.name()
-        activity = "" if older else e.activity_type()
-        device = e.device_type() != cpu
-        if name == "[memory]":
-            append(Event(name, "memory", e.start_ns() - start, e.start_ns() - start,
-                         e.start_thread_id(), nbytes=e.nbytes(), on_device=device))
-            continue
-        if name.startswith(LINE_PREFIX):
-            kind = "line"
-        elif _profilers_own(name, activity):
-            kind = "overhead"  # on either side: no activity of the user's
-        elif device:
-            kind = ("memcpy" if "memcpy" in activity or name.startswith("Memcpy")
-                    else "memset" if "memset" in activity or name.startswith("Memset")
-                    else "kernel")
-        elif activity in _RUNTIME or _driver_call(name, activity) or (
-                older and name.startswith(("cuda", "hip"))):
-            kind = "runtime"
-        elif name in _FILTERED or e.is_async() or e.start_thread_id() != e.end_thread_id():
-            continue
-        else:
-            kind = "op"
-        append(Event(
-            name, kind, e.start_ns() - start, e.end_ns() - start, e.start_thread_id(),
-            e.correlation_id(), e.linked_correlation_id() if linked else 0,
-            tuple(map(tuple, e.shapes())) if kind == "op" else (),
-            _copied_bytes(e) if kind == "memcpy" else 0,
-            dtypes=tuple(e.dtypes()) if kind == "op" and name in _DTYPES_READ else (),
-        ))
-    return out
-
-
-_RUNTIME = frozenset({"cuda_runtime", "cuda_driver", "privateuse1_runtime",
-                      "privateuse1_driver", "xpu_runtime", "xpu_driver"})
-_FILTERED = frozenset({
-    "profiler::_record_function_enter", "profiler::_record_function_enter_new",
-    "profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version",
-})
-
-
-# CUPTI's own rows (seen on an H200, torch 2.11): its buffer requests, CUDA's module
-# loading it saw, and an unnamed one; kineto's activity type "overhead" marks the others
-_PROFILERS_OWN = frozenset({"Activity Buffer Request", "INVALID", "Lazy Function Loading",
-                            "Runtime Triggered Module Loading"})
-
-
-def _profilers_own(name: str, activity: str) -> bool:
-    """A row the profiler made about itself (or CUDA's loading it saw), not an op of the
-    user's."""
-    return activity == "overhead" or name in _PROFILERS_OWN
-
-
-def _driver_call(name: str, activity: str) -> bool:
-    """A CUDA driver API call (cuLaunchKernelEx), whatever activity kineto gave it; a
-    user's range of that look is one of theirs."""
-    return (activity != "user_annotation" and name.startswith("cu") and name[2:3].isupper()
-            and name.isalnum())
-
-
-def _copied_bytes(event: Any) -> int:
-    """The bytes of a device copy, where kineto put them in the event's metadata."""
-    try:
-        return int(json.loads("{" + (event.metadata_json() or "") + "}").get("bytes", 0))
-    except (ValueError, TypeError, AttributeError):
-        return 0
-
-
-# --- the analysis -------------------------------------------------------------------------
+from . import names
+from .events import Event
 
 
 @dataclass(slots=True)
@@ -252,26 +119,10 @@ def analyse(
         copy_bytes=sum(d.nbytes for d in copies) if any(d.nbytes for d in copies)
         or not copies else None,
         copies_unsized=sum(1 for d in copies if not d.nbytes),
-        syncs=sum(1 for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS),
+        syncs=sum(1 for e in events if e.kind == "runtime" and e.name in names.SYNC_CALLS),
         stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
         line_at=timeline.at,
     )
-
-
-# where a copy's bytes are among its op's inputs: the source of copy_(self, src), the
-# tensor that _to_copy and .item()'s read take
-_COPY_SOURCE = {"aten::copy_": 1, "aten::_to_copy": 0, "aten::_local_scalar_dense": 0}
-# the ops whose inputs' dtypes from_kineto reads (a copy's size, a matmul's tensor cores):
-# asking costs about 3 µs an event, so only theirs
-_DTYPES_READ = MATMULS | frozenset(_COPY_SOURCE)
-# kineto's names of the dtypes (caffe2's TypeMeta names), and their bytes an element
-_ITEMSIZE = {
-    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
-    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "short unsigned int": 2,
-    "unsigned int": 4, "long unsigned int": 8, "c10::complex<float>": 8,
-    "c10::complex<double>": 16, "c10::complex<c10::Half>": 4, "c10::Float8_e4m3fn": 1,
-    "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1,
-}
 
 
 def _size_copies(device: list[Event], by_id: dict[int, Event]) -> None:
@@ -281,16 +132,16 @@ def _size_copies(device: list[Event], by_id: dict[int, Event]) -> None:
         if d.kind != "memcpy" or d.nbytes:
             continue
         op = by_id.get(d.linked)
-        while op is not None and op.name not in _COPY_SOURCE:
+        while op is not None and op.name not in names.COPY_SOURCE:
             op = op.parent
         if op is None:
             continue
-        i = _COPY_SOURCE[op.name]
+        i = names.COPY_SOURCE[op.name]
         if i < len(op.shapes) and i < len(op.dtypes):
             numel = 1
             for n in op.shapes[i]:
                 numel *= n
-            d.nbytes = numel * _ITEMSIZE.get(op.dtypes[i], 0)
+            d.nbytes = numel * names.ITEMSIZE.get(op.dtypes[i], 0)
 
 
 def _nest(events: list[Event]) -> None:
@@ -462,20 +313,20 @@ def _stalls(
     `.item()`, which always waits."""
     reads: Counter[tuple[str, str]] = Counter()
     found: set[int] = set()
-    syncs = [e for e in events if e.kind == "runtime" and e.name in _SYNC_CALLS]
+    syncs = [e for e in events if e.kind == "runtime" and e.name in names.SYNC_CALLS]
     if syncs:
         starts = [by_id.get(e.linked) for e in syncs]
     else:
-        starts = [e for e in events if e.kind == "op" and e.name in _ITEM]
+        starts = [e for e in events if e.kind == "op" and e.name in names.ITEM]
     for op in starts:
         outermost = None
         while op is not None:
-            if op.name in _READS:
+            if op.name in names.READS:
                 outermost = op
             op = op.parent
         if outermost is not None and outermost.line is not None and id(outermost) not in found:
             found.add(id(outermost))
-            reads[(outermost.line, _READS[outermost.name])] += 1
+            reads[(outermost.line, names.READS[outermost.name])] += 1
     out = []
     for (line, what), n in reads.most_common():
         if n > runs:

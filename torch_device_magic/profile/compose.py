@@ -1,0 +1,93 @@
+"""`%%profile` composed: the capture records, the recording is read, the advice is made from
+what was read, and the report renders what it is given (`profile_cell`). The one module of
+the profile that knows the advice."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ..advice import compiles
+from ..advice.profile_rules import Advice, advise, data_parallel, read_setting
+from ..errors import first_sentence
+from .capture import Capture, Recorded
+from .reading import Read, read
+from .tables import ProfileReport
+from .traces import TraceFiles
+
+_log = logging.getLogger(__name__)
+
+
+def profile_cell(
+    capture: Capture, show_partial: Callable[[ProfileReport], None], traces: TraceFiles,
+    namespace: Mapping[str, Any] | None = None, reads: Collection[str] = (),
+) -> tuple[ProfileReport | None, Any]:
+    """Run `capture` and make its report: the report (None, said in one line, where the
+    profile could not be read) and the cell's value. A cell that raises shows its partial
+    report through `show_partial`, then its error propagates. `namespace` and `reads` (the
+    user's names that the cell reads) are for the advice."""
+    __tracebackhide__ = True
+    capture.mark = compiles.records  # torch.compile's record as recording begins
+
+    def report(recorded: Recorded) -> ProfileReport:
+        return _report(capture, recorded, traces, namespace or {}, reads)
+
+    recorded, value = capture(lambda partial: show_partial(report(partial)))
+    if recorded is None:
+        return None, value
+    try:
+        return report(recorded), value
+    except Exception as err:  # the cell ran: its value is kept, and our fault said
+        _log.debug("the profile could not be made", exc_info=True)
+        print(f"%%profile could not read the profile: {first_sentence(err, named=True)}")
+        return None, value
+
+
+def _report(
+    capture: Capture, recorded: Recorded, traces: TraceFiles, namespace: Mapping[str, Any],
+    reads: Collection[str],
+) -> ProfileReport:
+    opts, tracer = capture.options, recorded.tracer
+    got = read(recorded, opts, capture.cell_file, capture.source, capture.label, traces)
+    advice = _advice(got, recorded, namespace, reads)
+    why = None
+    if recorded.partial is not None:
+        what = "interrupted" if isinstance(recorded.partial, KeyboardInterrupt) else (
+            f"the cell raised {type(recorded.partial).__name__}")
+        why = f"{what}; the profile covers the cell up to there"
+    plain = recorded.plain_wall_s
+    return ProfileReport(
+        label=capture.label, runs=opts.runs, wall_s=got.wall_s, measurement=recorded.measured,
+        analysis=got.analysis, trace_path=got.trace_path, plain_wall_s=None if why else plain,
+        plain_from=recorded.plain_from if plain else None, partial=why,
+        notes=got.notes, profiler=recorded.recording.prof, sort=opts.sort,
+        timeline=got.timeline, trace_bytes=got.trace_bytes, trace_temporary=opts.trace is None,
+        loops=tracer.loops_run() if tracer is not None else [],
+        full_steps=opts.steps if tracer is not None and tracer.windowed else 0,
+        events=len(got.events),
+        step_events=tracer.step_events(got.sessions) if tracer is not None else 0,
+        advice=advice,
+    )
+
+
+def _advice(
+    got: Read, recorded: Recorded, namespace: Mapping[str, Any], reads: Collection[str],
+) -> list[Advice]:
+    measured, tracer, timeline = recorded.measured, recorded.tracer, got.timeline
+    peak = measured.device_top_bytes() if measured is not None else None
+    try:
+        setting = read_setting(got.wall_s, recorded.cuda, peak, recorded.mark or ())
+        setting.loops = tracer.loop_lines() if tracer is not None else []
+        top = timeline.largest[0] if timeline is not None and timeline.largest else None
+        if top is not None and top.line is not None:  # --memory: the peak's top line
+            setting.largest = (str(top.line), top.bytes, top.text)
+        # read after the run: the cell may have made the model
+        setting.data_parallel = data_parallel(
+            (n, namespace[n]) for n in sorted(reads) if n in namespace)
+        names = tracer.names if tracer is not None else {}
+        return advise(got.events, got.analysis, names, setting)
+    except Exception as err:  # ours: the profile itself is still shown
+        _log.debug("the advice failed", exc_info=True)
+        got.notes.append(f"the advice could not be made: {first_sentence(err, True)}")
+        return []

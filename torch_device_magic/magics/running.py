@@ -80,14 +80,17 @@ class TorchDeviceRunMagics(MagicsGroup):
             display(device_table(take_inventory(), self.core.session.device,
                                  None if cuda_start is None else str(cuda_start)))
             return
+        session = self.core.session
         if args.spec == "reset":
-            dev, why = None, "cpu (torch's default device restored)"
+            dev, target = None, session.default_after_reset()
+            why = f"{target} (torch's default device restored{_set_by_hand(target)})"
         else:
             dev, why = self._resolve(args.spec)
+            target = dev
         if args.move:  # first: a move that fails changes nothing, the current device neither
-            moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"),
+            moved = moving.move(self.shell.user_ns, self._all_names(), target,
                                 keep_data=True)
-        self.core.session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
+        session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
             display(moved.table())
@@ -301,3 +304,8 @@ class TorchDeviceRunMagics(MagicsGroup):
             raise DeviceMagicError(f"%%nograd takes no argument but --inference, got {args.mode!r}")
         with torch.inference_mode() if args.inference else torch.no_grad():
             return cells.run(self.shell, cell)
+
+
+def _set_by_hand(default: torch.device) -> str:
+    """What `%device reset` says of a default other than the CPU: it is the user's own."""
+    return "" if default.type == "cpu" else ": the one torch.set_default_device set"

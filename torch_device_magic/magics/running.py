@@ -24,8 +24,9 @@ class TorchDeviceRunMagics(MagicsGroup):
     @argument(
         "spec",
         nargs="?",
-        help=f"where new work runs: {EXAMPLES}; 'reset' returns to torch's default (the CPU). "
-        "Omit it to list the devices.",
+        help=f"where new work runs: {EXAMPLES}; 'reset' returns to torch's default (the CPU, "
+        "or one set with torch.set_default_device: `device` is bound to it). Omit it to list "
+        "the devices.",
     )
     @argument(
         "--move",
@@ -56,7 +57,8 @@ class TorchDeviceRunMagics(MagicsGroup):
         forked DataLoader workers start without it. A default
         set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
-        a CUDA context; MIG instances with their own memory) and marks the
+        a CUDA context; MIG instances with their own memory; a PrivateUse1
+        accelerator's, each with its memory once its runtime is up) and marks the
         session device with `*`, and under it the cell that initialised CUDA
         ("CUDA initialised by cell [7]: " and its first line of code), as the
         report noted it: a cell that forks or launches (notebook_launcher,

@@ -44,11 +44,11 @@ class Session:
     def set_device(
         self, dev: torch.device | None, namespace: MutableMapping[str, Any],
         torch_default: bool = True,
-    ) -> torch.device:
+    ) -> None:
         """Make `dev` the session device (None: back to torch's default, see
         `default_after_reset`): CUDA's current device for a `cuda:N`, bound as `device` in
         `namespace` and, unless `torch_default` is False (or the setting is), torch's
-        default device. Returns what `device` is bound to."""
+        default device."""
         self._follow_current(dev)  # first: if it fails, nothing has changed
         bound = self.default_after_reset() if dev is None else dev
         self.device = dev
@@ -58,7 +58,6 @@ class Session:
         if self._bound is None or held is not self._bound:  # theirs, not one we bound
             self._user_device = held
         self._bound = namespace["device"] = bound
-        return bound
 
     def default_after_reset(self) -> torch.device:
         """Where factory calls go once our default is undone: the default that was in force

@@ -229,6 +229,36 @@ def test_config_lists_the_one_configurable_and_a_reload_leaves_one_of_each(ip, c
         {*ip.magics_manager.magics["line"], *ip.magics_manager.magics["cell"]})
 
 
+@pytest.mark.parametrize("refused", ["-1", "float('nan')", "'soon'"])
+def test_a_refused_config_value_leaves_the_config_so_that_reload_works(
+    ip, capsys, caplog, refused
+):
+    ip.run_line_magic("config", "TorchDeviceMagics.report_min_seconds = 2.5")
+    ip.run_line_magic("config", f"TorchDeviceMagics.report_min_seconds = {refused}")
+    assert "report_min_seconds" in caplog.text  # IPython logs the refusal
+    ip.run_line_magic("config", "TorchDeviceMagics.report_min_bytes = -1")  # never set before
+    ip.run_line_magic("reload_ext", "torch_device_magic")
+    core = ip.magics_manager.registry["TorchDeviceMagics"]
+    assert core.report_min_seconds == 2.5 and core.report_min_bytes == 0
+    assert {"device", "gpumem"} <= {*ip.magics_manager.magics["line"]}
+    assert capsys.readouterr().out == ""  # nothing to say: the config is as it was
+
+
+def test_loading_drops_a_value_in_the_shells_config_that_a_trait_refuses(shell, capsys):
+    shell.config.TorchDeviceMagics.report_min_bytes = -5  # as an old %config left it
+    shell.config.TorchDeviceMagics.report_min_seconds = 2.5
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    core = shell.magics_manager.registry["TorchDeviceMagics"]
+    assert core.report_min_bytes == 0 and core.report_min_seconds == 2.5
+    assert "gpumem" in shell.magics_manager.magics["cell"]
+    assert capsys.readouterr().out == (
+        "torch_device_magic: TorchDeviceMagics.report_min_bytes = -5 in the shell's config is "
+        "refused (report_min_bytes must be 0 (unset) or more): 0 is used\n"
+    )
+    shell.run_line_magic("reload_ext", "torch_device_magic")
+    assert capsys.readouterr().out == ""  # said once: it is out of the config now
+
+
 def test_last_expression_is_out_and_semicolon_silences_it(ip):
     ip.run_cell("%%nograd\nx = 20\nx + 22", store_history=True)
     assert ip.user_ns["_"] == 42

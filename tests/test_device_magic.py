@@ -89,3 +89,22 @@ def test_on_a_cpu_build_cuda_is_never_asked_about(ip, monkeypatch, capsys):
     for _ in range(3):
         ip.run_cell("x = torch.ones(2)", store_history=True)
     assert not any("CUDA initialised" in line for line in device_notes(ip, capsys))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_reset_binds_device_to_the_default_torch_is_left_with(ip, capsys, when):
+    """A default set by hand (tutorials begin so) stays after reset, and `device` says it."""
+    if when == "before":
+        ip.run_cell("torch.set_default_device('meta')")
+    ip.run_line_magic("device", "cpu")
+    if when == "after":
+        ip.run_cell("torch.set_default_device('meta')")
+    capsys.readouterr()
+    ip.run_line_magic("device", "reset")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "device = meta (torch's default device restored: the one torch.set_default_device set)"
+    )
+    ip.run_cell("x = torch.zeros(3)")
+    assert ip.user_ns["x"].device == ip.user_ns["device"] == torch.device("meta")
+    ip.run_line_magic("unload_ext", "torch_device_magic")
+    assert ip.user_ns["device"] == torch.device("meta") == torch.zeros(1).device

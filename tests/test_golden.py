@@ -170,6 +170,21 @@ def test_the_device_magic_shows_this_cpu_only_machines_table(ip, shown, golden):
     golden("device_shell_cpu_only", table, lambda t: squeezed(normal(t)), normal)
 
 
+def test_the_device_magic_lists_a_privateuse1_accelerators_devices(tdmdev, ip, shown, golden):
+    if torch.version.cuda is not None:
+        pytest.skip("the golden table is a CPU-only build's, with the test device")
+    run(ip, "%device tdmdev:1")
+    run(ip, "%device")
+    [table] = shown
+    cpu = devices.take_inventory().of_type("cpu")[0].name
+
+    def normal(text: str) -> str:  # host memory is the test device's: it varies
+        text = text.replace(cpu, "<cpu>").replace(html.escape(cpu), "<cpu>")
+        return re.sub(BYTES, "<bytes>", text.replace(torch.__version__, "<torch version>"))
+
+    golden("device_shell_tdmdev", table, lambda t: squeezed(normal(t)), normal)
+
+
 # --- %tensors -------------------------------------------------------------------------------
 
 def a_namespace() -> dict[str, object]:

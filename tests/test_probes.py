@@ -331,3 +331,11 @@ def test_the_free_heap_grows_by_what_small_tensors_leave_there():
     grew, chunks = map(int, run.stdout.split())
     assert grew > 40 * MiB  # freed to the heap, whatever RSS says
     assert chunks < 50_000  # consolidated: the walk is short
+
+
+def test_every_device_of_an_xpu_is_watched_and_an_mps_device_alone(monkeypatch):
+    """A two-tile XPU (as a PrivateUse1 backend's devices): work on the other tile counts."""
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)
+    watched = probes.devices_in_use(Accelerator("xpu", 1))
+    assert [a.name for a in watched] == ["xpu:1", "xpu:0"]
+    assert [a.name for a in probes.devices_in_use(Accelerator("mps", 0))] == ["mps:0"]

@@ -378,3 +378,62 @@ def test_gpufree_empties_the_test_devices_cache(tdmdev, monkeypatch):
     report = gpufree.free_memory()
     assert "tdmdev:0" in report.before and emptied
     del kept
+
+
+# --- two devices of one accelerator: %device, the report, %%gpumem ---------------------------
+
+MIB = 1024 * KIB
+
+
+@pytest.mark.parametrize("cell", [
+    "%device tdmdev:7",
+    "%device tdmdev:7 --move",
+    "%%ondevice tdmdev:7\ny = x * 2",
+    "%%gpumem --device tdmdev:7\ny = x * 2",
+    "%%devcompare cpu tdmdev:7\nx * 2",
+])
+def test_an_index_past_the_accelerators_devices_is_refused_and_changes_nothing(tdmdev, ip, cell):
+    ip.run_line_magic("device", D1)
+    ip.run_cell("x = torch.ones(3, device='cpu')")
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(cell)
+    assert str(err.value) == "tdmdev:7 is not available: this machine has tdmdev:0, tdmdev:1"
+    assert ip.user_ns["device"] == torch.device(D1) and "y" not in ip.user_ns
+    assert on(ip.user_ns["x"]) == {"cpu"} and on(torch.zeros(1)) == {D1}
+
+
+def test_device_lists_the_accelerators_devices_and_marks_the_session_one(tdmdev, ip, capsys):
+    ip.run_line_magic("device", D1)
+    assert capsys.readouterr().out == "device = tdmdev:1 (PrivateUse1 accelerator)\n"
+    ip.run_line_magic("device", "")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "session device: tdmdev:1"
+    rows = [line for line in out[1:] if "tdmdev:" in line]
+    assert [row.split()[:2] for row in rows] == [[D0, "PrivateUse1"], ["*", D1]]
+    assert all(" / " in row for row in rows)  # memory used / total, read
+
+
+def test_the_report_and_gpumem_watch_the_accelerators_other_device(tdmdev, ip):
+    from torch_device_magic.magics import TorchDeviceMagics
+
+    core = ip.magics_manager.registry[TorchDeviceMagics.__name__]
+    ip.run_line_magic("device", D0)
+    ip.user_ns["MIB"] = MIB
+    ip.run_cell("a = torch.ones(4 * MIB // 4, device='tdmdev:1')", store_history=True)
+    line = core.reporter.history.records()[-1]  # only tdmdev:1 changed: its figures
+    assert (line.device, line.device_delta_bytes, line.other_devices) == (D1, 4 * MIB, None)
+    report = ip.run_cell(
+        "%%gpumem -o\nb = torch.ones(256)\nc = torch.ones(16 * MIB // 4, device='tdmdev:1')"
+    ).result
+    assert (report.device, report.other_devices) == (D0, D1)
+    assert ["also changed", "tdmdev:1 (synchronised, not shown)"] in report.tables()[0].rows
+    ip.run_cell("b2 = torch.ones(256)\nc2 = torch.ones(MIB // 4, device='tdmdev:1')",
+                store_history=True)
+    assert "(also used: tdmdev:1)" in core.reporter.history.records()[-1].summary()
+
+
+def test_gpumem_on_the_cpu_is_titled_for_the_cpu_while_the_accelerator_is_in_use(tdmdev, ip):
+    ip.run_line_magic("device", D0)
+    report = ip.run_cell("%%gpumem -o --device cpu\nz = torch.ones(3, device='cpu')").result
+    assert report.device is None
+    assert str(report).splitlines()[0] == "%%gpumem cpu: host memory only"

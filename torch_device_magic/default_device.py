@@ -184,6 +184,11 @@ class DefaultDevice:
         _installed = weakref.ref(self)
         _register_fork_handler()
 
+    def after_release(self) -> torch.device | None:
+        """The default device that `release` would leave in force: the one before ours
+        while ours is, else the one in force now (set by hand, or none)."""
+        return self._before if self.owns() else torch_default_device()
+
     def release(self) -> None:
         """Put back the default that was in force before ours, if ours is still in force."""
         global _installed

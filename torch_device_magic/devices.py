@@ -125,11 +125,12 @@ def resolve(spec: str, inventory: Inventory) -> tuple[torch.device, str]:
     if spec == "auto":
         return pick_auto(inventory)
     dev = parse(spec)
-    if dev.type in ("cpu", "meta") or (
-        dev.type not in ("cuda", "mps", "xpu") and probes.backend_available(dev.type)
-    ):
-        return dev, str(dev)
     found = inventory.of_type(dev.type)
+    if dev.type in ("cpu", "meta") or (
+        not found and dev.type not in ("cuda", "mps", "xpu")
+        and probes.backend_available(dev.type)
+    ):  # an out-of-tree device module the inventory does not list: as torch takes it
+        return dev, str(dev)
     if (dev.index or 0) >= len(found):
         raise DeviceMagicError(_unavailable(str(dev), dev.type, inventory))
     chosen = found[dev.index or 0]
@@ -181,6 +182,9 @@ def take_inventory(probe_cuda_runtime: bool = False) -> Inventory:
         free, total = probes.free_and_total(torch.device("mps")) or (None, None)
         inv.devices.append(DeviceInfo("mps", "Apple GPU (MPS)", total, free))
     inv.devices += _xpu_devices()
+    kind, names = probes.private_names()
+    if kind is not None:  # a PrivateUse1 accelerator: Ascend's npu, the test device
+        inv.devices += _listed(kind, names, "PrivateUse1 accelerator")
     free, total = probes.free_and_total(torch.device("cpu")) or (None, None)
     inv.devices.append(DeviceInfo("cpu", probes.cpu_name(), total, free))
     return inv
@@ -375,8 +379,17 @@ def _runs_on(capability: tuple[int, int], arches: list[str]) -> bool:
 
 
 def _xpu_devices() -> list[DeviceInfo]:
-    return [DeviceInfo(f"xpu:{i}", name or "XPU (named once XPU starts)")
-            for i, name in enumerate(probes.xpu_names())]
+    return _listed("xpu", probes.xpu_names(), "XPU (named once XPU starts)")
+
+
+def _listed(kind: str, names: list[str | None], unnamed: str) -> list[DeviceInfo]:
+    """A device of `kind` per entry of `names` (None: `unnamed`), with its memory where
+    its runtime is up (asking starts none)."""
+    found = []
+    for i, name in enumerate(names):
+        free, total = probes.free_and_total(torch.device(kind, i)) or (None, None)
+        found.append(DeviceInfo(f"{kind}:{i}", name or unnamed, total, free))
+    return found
 
 
 def device_table(
@@ -393,7 +406,8 @@ def device_table(
         mark = "*" if current is not None and d.device in _names_of(current) else ""
         name = d.name if d.problem is None else f"{d.name} (not usable: {d.problem})"
         rows.append([mark, d.device, name, mem, util])
-    title = f"session device: {current if current is not None else 'not set (torch default: cpu)'}"
+    unset = f"not set (torch default: {probes.torch_default_device() or 'cpu'})"
+    title = f"session device: {unset if current is None else current}"
     notes = [f"no {n.split(':', 1)[0].upper()} device listed: {n.split(': ', 1)[1]}"
              for n in inventory.notes]
     if any(d.device == UNKNOWN_ORDER for d in inventory.devices):

@@ -58,6 +58,7 @@ class GpumemReport(Measurement):
     nvml_used_bytes: int | None = None  # device-wide, all processes and the context
     tensors: list[TensorInfo] = field(default_factory=list)
     processes: list[Worker] = field(default_factory=list)  # the cell's workers, one by one
+    asked: str | None = None  # the device --device named ('cpu'); None: the session's
 
     def tables(self) -> list[Table]:
         """The measures, then the cell's workers and the largest new tensors (where the
@@ -70,6 +71,11 @@ class GpumemReport(Measurement):
             host = "n/a"  # not "n/a, peak n/a above the start"
         if self.device is None:
             title = "%%gpumem: no accelerator in use, so host memory only"
+            if self.asked == "cpu":
+                title = "%%gpumem cpu: host memory only"
+            elif self.asked is not None:  # named, but its runtime has not started
+                title = (f"%%gpumem {self.asked}: not in use (its runtime is not up), so host "
+                         "memory only")
             rows = [["wall time", fmt_seconds(self.wall_s)], ["host RSS", host]]
         else:
             title = f"%%gpumem {self.device_description or self.device}"
@@ -185,5 +191,6 @@ def measure(
         nvml_used_bytes=nvml_used_bytes(accel),
         tensors=new_tensors(namespace, before),
         processes=list(meter.workers.processes),
+        asked=None if device is None else str(device),
     )
     return report, value

@@ -234,10 +234,11 @@ class Meter:
     """Measures one stretch of code at a time: `start()` before it, `stop()` after.
 
     Every device of the measured kind that work may have run on (for CUDA: each
-    with a context; one never used is not touched, so gets no context) is watched
-    and synchronised before the clock stops, so in-place work on another GPU
-    counts too. The figures are those of the session's device (`start`'s
-    `device`, else the torch default, else the current device) unless only
+    with a context, one never used is not touched, so gets no context; for XPU
+    and a PrivateUse1 backend: each of its devices) is watched and synchronised
+    before the clock stops, so in-place work on another device counts too. The
+    figures are those of the session's device (`start`'s `device`, else the
+    torch default, else the current device) unless only
     another device's allocator changed; the others that changed are named in
     `other_devices`.
     """

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from . import devices, probes
+from . import devices
 from .default_device import DefaultDevice
+from .devices import canonical
 from .errors import DeviceMagicError
 
 _NONE = object()  # no `device` in the namespace
@@ -39,24 +40,29 @@ class Session:
         self._user_device: object = _NONE  # the user's own `device`, before we bound ours
         self._cuda_current_before: int | None = None  # CUDA's current device before ours
         self._grad_before_nograd: bool | None = None
-        self._default_at_load = probes.torch_default_device()
 
     def set_device(
         self, dev: torch.device | None, namespace: MutableMapping[str, Any],
         torch_default: bool = True,
     ) -> None:
-        """Make `dev` the session device (None: back to torch's default, the CPU): CUDA's
-        current device for a `cuda:N`, bound as `device` in `namespace` and, unless
-        `torch_default` is False (or the setting is), torch's default device."""
+        """Make `dev` the session device (None: back to torch's default, see
+        `default_after_reset`): CUDA's current device for a `cuda:N`, bound as `device` in
+        `namespace` and, unless `torch_default` is False (or the setting is), torch's
+        default device."""
         self._follow_current(dev)  # first: if it fails, nothing has changed
+        bound = self.default_after_reset() if dev is None else dev
         self.device = dev
         self._bind_only = not torch_default
         self._apply_default()
         held = namespace.get("device", _NONE)
         if self._bound is None or held is not self._bound:  # theirs, not one we bound
             self._user_device = held
-        self._bound = torch.device("cpu") if dev is None else dev
-        namespace["device"] = self._bound
+        self._bound = namespace["device"] = bound
+
+    def default_after_reset(self) -> torch.device:
+        """Where factory calls go once our default is undone: the default that was in force
+        before ours (one set by hand with `torch.set_default_device` stays), else the CPU."""
+        return canonical(self._default.after_release() or torch.device("cpu"))
 
     def set_torch_default(self, on: bool) -> None:
         """The `set_torch_default` setting: install the session device as torch's default
@@ -79,6 +85,7 @@ class Session:
     def close(self, namespace: MutableMapping[str, Any]) -> None:
         """Undo what the session changed: torch's default device (ours only), CUDA's
         current device, `device` (unless the user rebound it) and the grad mode."""
+        default = self.default_after_reset()
         self._default.release()  # ours only; forked children are left alone from now on
         with contextlib.suppress(DeviceMagicError):  # unloading goes on regardless
             self._follow_current(None)
@@ -88,9 +95,7 @@ class Session:
                 # Theirs comes back; where there was none, the default (so `.to(device)`
                 # in cells that follow still runs).
                 before = self._user_device
-                namespace["device"] = (
-                    self._default_at_load or torch.device("cpu") if before is _NONE else before
-                )
+                namespace["device"] = default if before is _NONE else before
         if self._grad_before_nograd is not None:
             torch.set_grad_enabled(self._grad_before_nograd)
             self._grad_before_nograd = None

@@ -38,6 +38,8 @@ def load(ip: Any, started: tuple[float, int | None] | None = None) -> None:
     """Register the magics and the per-cell hooks on `ip`; the line of the cell that loads
     them counts from `started` (the clock and RSS when loading began)."""
     magics = TorchDeviceMagics(ip)
+    for line in magics.refused_config:
+        print(line)
     ip.register_magics(magics, *(group(magics) for group in GROUPS))
     if started is not None:
         magics.reporter.loading(started)

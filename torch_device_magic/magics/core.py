@@ -13,6 +13,8 @@ import torch
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, magics_class
 from traitlets import Bool, Float, Int, TraitError, observe, validate
+from traitlets.config import Config
+from traitlets.config.loader import DeferredConfig, LazyConfigValue
 
 from .. import profile
 from ..advice import hints
@@ -83,6 +85,9 @@ class TorchDeviceMagics(Magics):
         # (id(error), %%ondevice's device, its --restore): the hint is told what was in force
         self.failed_under: tuple[int, torch.device, bool] | None = None
         self.traces = profile.TraceFiles()  # %%profile's unnamed traces: the last one is kept
+        # What the shell's config held for us that a trait refuses: dropped, so that loading
+        # goes on (`load` says so in a line each).
+        self.refused_config = [] if shell is None else self._drop_refused(shell.config)
         super().__init__(shell=shell)
 
     @property
@@ -94,6 +99,44 @@ class TorchDeviceMagics(Magics):
     @shell.setter
     def shell(self, shell: InteractiveShell | None) -> None:  # Magics.__init__ sets it
         self._shell = shell
+
+    def _drop_refused(self, config: Config) -> list[str]:
+        """Take out of `config` the values of ours that our traits refuse (a bad line of
+        ipython_config.py, or one %config merged there before it was refused); a sentence
+        for each."""
+        section = config.get(type(self).__name__, {})
+        refused = []
+        for name, value in list(section.items()):
+            trait = self.traits(config=True).get(name)
+            if trait is None or isinstance(value, LazyConfigValue):  # traitlets' own to say
+                continue
+            try:
+                trait._validate(self, value.get_value(trait)  # from the command line
+                                if isinstance(value, DeferredConfig) else value)
+            except TraitError as err:
+                del section[name]
+                refused.append(
+                    f"torch_device_magic: {type(self).__name__}.{name} = {value!r} in the "
+                    f"shell's config is refused ({err}): {getattr(self, name)!r} is used"
+                )
+        return refused
+
+    def update_config(self, config: Config) -> None:
+        """`%config`'s way in. IPython merges the new value into the shell's config before
+        it reaches us: where a trait refuses it, the shell's config gets back what it held
+        (as ours, which the refusal left unchanged, does), or %reload_ext would stop on it."""
+        try:
+            super().update_config(config)
+        except TraitError:
+            name = type(self).__name__
+            if self._shell is not None and name in config:
+                stored, kept = self.shell.config[name], self.config[name]
+                for key in list(config[name]):  # the same dict as `stored` where new there
+                    if key in kept:
+                        stored[key] = kept[key]
+                    else:
+                        stored.pop(key, None)
+            raise
 
     @validate("report_min_seconds", "report_min_bytes")
     def _not_negative(self, proposal: Any) -> Any:

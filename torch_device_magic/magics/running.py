@@ -24,8 +24,9 @@ class TorchDeviceRunMagics(MagicsGroup):
     @argument(
         "spec",
         nargs="?",
-        help=f"where new work runs: {EXAMPLES}; 'reset' returns to torch's default (the CPU). "
-        "Omit it to list the devices.",
+        help=f"where new work runs: {EXAMPLES}; 'reset' returns to torch's default (the CPU, "
+        "or one set with torch.set_default_device: `device` is bound to it). Omit it to list "
+        "the devices.",
     )
     @argument(
         "--move",
@@ -56,7 +57,8 @@ class TorchDeviceRunMagics(MagicsGroup):
         forked DataLoader workers start without it. A default
         set with `torch.set_default_device` by hand is never undone by us.
         `%device` alone lists every device (read through NVML, without creating
-        a CUDA context; MIG instances with their own memory) and marks the
+        a CUDA context; MIG instances with their own memory; a PrivateUse1
+        accelerator's, each with its memory once its runtime is up) and marks the
         session device with `*`, and under it the cell that initialised CUDA
         ("CUDA initialised by cell [7]: " and its first line of code), as the
         report noted it: a cell that forks or launches (notebook_launcher,
@@ -80,14 +82,17 @@ class TorchDeviceRunMagics(MagicsGroup):
             display(device_table(take_inventory(), self.core.session.device,
                                  None if cuda_start is None else str(cuda_start)))
             return
+        session = self.core.session
         if args.spec == "reset":
-            dev, why = None, "cpu (torch's default device restored)"
+            dev, target = None, session.default_after_reset()
+            why = f"{target} (torch's default device restored{_set_by_hand(target)})"
         else:
             dev, why = self._resolve(args.spec)
+            target = dev
         if args.move:  # first: a move that fails changes nothing, the current device neither
-            moved = moving.move(self.shell.user_ns, self._all_names(), dev or torch.device("cpu"),
+            moved = moving.move(self.shell.user_ns, self._all_names(), target,
                                 keep_data=True)
-        self.core.session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
+        session.set_device(dev, self.shell.user_ns, torch_default=not args.no_default)
         print(f"device = {why}")
         if args.move:
             display(moved.table())
@@ -301,3 +306,8 @@ class TorchDeviceRunMagics(MagicsGroup):
             raise DeviceMagicError(f"%%nograd takes no argument but --inference, got {args.mode!r}")
         with torch.inference_mode() if args.inference else torch.no_grad():
             return cells.run(self.shell, cell)
+
+
+def _set_by_hand(default: torch.device) -> str:
+    """What `%device reset` says of a default other than the CPU: it is the user's own."""
+    return "" if default.type == "cpu" else ": the one torch.set_default_device set"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import warnings
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from IPython.core.error import UsageError
 from test_reach import SCORES
 
 from torch_device_magic import moving
+from torch_device_magic.cells import cell_label
 from torch_device_magic.probes import torch_default_device
 
 META = torch.device("meta")
@@ -516,3 +519,48 @@ def test_verbose_names_what_a_function_of_the_users_own_module_keeps(ip, ns, tmp
     finally:
         import sys
         sys.modules.pop("tdm_user_steps", None)
+
+
+# --- the cell's default device: installed as %device installs it, no mode -----------------
+
+MODES = "modes = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]"
+
+
+def test_a_warning_a_torch_op_raises_in_the_cell_names_the_users_line(ip):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ip.run_cell("%%ondevice cpu\nx = 1\nt = torch.tensor(torch.ones(2))\n"
+                    "s = torch.nn.functional.softmax(torch.ones(2))")
+    found = [(cell_label(ip, w.filename) is not None, w.lineno) for w in caught
+             if "copy construct" in str(w.message) or "softmax" in str(w.message)]
+    assert found == [(True, 2), (True, 3)]  # not torch/utils/_device.py
+
+
+@pytest.mark.parametrize(("cell", "error"), [
+    ("", None), ("1 / 0", ZeroDivisionError), ("raise KeyboardInterrupt", KeyboardInterrupt)])
+def test_factory_calls_land_on_the_cells_device_under_no_mode_and_the_default_comes_back(
+        ip, tdmdev, cell, error):
+    ip.run_cell("%device meta")
+    before = torch_default_device()
+    body = f"%%ondevice tdmdev:1\n{MODES}\nmade = torch.zeros(2)\nlinear = torch.nn.Linear(2, 2)\n"
+    with pytest.raises(error) if error else contextlib.nullcontext():
+        ip.run_cell(body + cell)
+    ns = ip.user_ns
+    assert ns["modes"] == [] and ns["made"].device == torch.device("tdmdev:1")
+    assert ns["linear"].weight.device == torch.device("tdmdev:1")
+    assert torch_default_device() == before == META and torch.zeros(1).device == META
+    ip.run_cell("%device reset")  # still the default %device installed: it is undone
+    assert torch_default_device() is None
+
+
+def test_the_cpu_installs_no_default_and_a_session_default_comes_back_after(ip, tdmdev):
+    ip.run_cell("%device tdmdev:1")
+    ip.run_cell(f"%%ondevice cpu\n{MODES}\nmade = torch.zeros(2)\nnow = torch.get_default_device()")
+    ns = ip.user_ns
+    assert ns["modes"] == [] and ns["made"].device.type == "cpu" and ns["now"].type == "cpu"
+    assert torch.zeros(1).device == torch.device("tdmdev:1")
+
+
+def test_a_default_the_cell_sets_by_hand_stays(ip):
+    ip.run_cell("%%ondevice cpu\ntorch.set_default_device('meta')")
+    assert torch_default_device() == META and torch.zeros(1).device == META

@@ -10,6 +10,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
 from .. import cells, moving, reach
+from ..default_device import for_cell
 from ..devices import EXAMPLES, device_table, take_inventory
 from ..errors import DeviceMagicError
 from .arguments import parse, user_errors
@@ -226,7 +227,7 @@ class TorchDeviceRunMagics(MagicsGroup):
                 table = moved.table()
                 table.notes = [*table.notes, *found.notes()]
                 display(table)
-            with torch.device(dev):
+            with for_cell(dev):
                 return run()
         except BaseException as err:
             if moved is not None:  # the cell's error, not the move's

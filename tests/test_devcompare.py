@@ -644,3 +644,11 @@ def test_every_device_runs_under_no_device_mode_its_warnings_at_the_users_line(i
              and ("softmax" in str(w.message) or ".grad" in str(w.message))]
     assert lines == [3, 4, 3, 4]  # the cell's lines on each device, not torch/utils/_device.py
     assert torch_default_device() is None
+
+
+@pytest.mark.parametrize("nested", ["%%nograd", "%%time", "%%capture out"])
+def test_a_nested_cell_magic_of_python_compares_its_body_on_copies(nsip, nested):
+    before = snapshot(nsip)
+    compare(nsip, "cpu meta -n 1 --warmup 0", f"{nested}\nseen.append(model(a).device.type)")
+    assert nsip.user_ns["seen"] == ["cpu", "meta"]  # the copies moved to each device
+    assert_unchanged(nsip, before)

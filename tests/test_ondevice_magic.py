@@ -564,3 +564,42 @@ def test_the_cpu_installs_no_default_and_a_session_default_comes_back_after(ip, 
 def test_a_default_the_cell_sets_by_hand_stays(ip):
     ip.run_cell("%%ondevice cpu\ntorch.set_default_device('meta')")
     assert torch_default_device() == META and torch.zeros(1).device == META
+
+
+# --- nested magics: a body of Python is read as the cell's code; other syntax said -------
+
+@pytest.mark.parametrize("nested", [
+    "%%nograd", "%%nograd --inference", "%%time", "%%capture captured", "%%gpumem",
+    "%%nograd\n%%time", "%%ondevice meta"])
+def test_a_nested_cell_magic_of_python_moves_what_its_body_uses(ip, ns, nested, capsys):
+    ip.run_cell(f"%%ondevice meta\n{nested}\ny = model(x[:3])")
+    assert ns["model"].weight.device == META and ns["x"].device == META
+    assert ns["y"].device == META and ns["bystander"].device.type == "cpu"
+    assert ns["y"].requires_grad is ("nograd" not in nested)  # the nested magic still applies
+    assert "%%ondevice:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line", [
+    "%time y = model(x[:3])", "%timeit -n 1 -r 1 -o model(x[:3])", "%prun -q -l 1 model(x[:3])"])
+def test_a_line_magic_whose_argument_is_python_moves_what_it_uses(ip, ns, line):
+    ip.run_cell(f"%%ondevice meta\n{line}")
+    assert ns["model"].weight.device == META and ns["x"].device == META
+
+
+def test_a_nested_cell_magic_whose_body_is_not_python_says_nothing_it_uses_moved(
+        ip, ns, tmp_path, capsys):
+    path = tmp_path / "step.py"
+    ip.run_cell(f"%%ondevice meta\n%%writefile {path}\ny = model(x[:3])")
+    assert path.read_text() == "y = model(x[:3])\n"
+    assert ns["model"].weight.device.type == "cpu" and ns["x"].device.type == "cpu"
+    out = [line for line in capsys.readouterr().out.splitlines() if "%%ondevice" in line]
+    assert out == ["%%ondevice: the body of %%writefile is not Python it can read, so nothing "
+                   "it uses moved to meta (model, x hold tensors)"]
+
+
+def test_tensors_named_only_in_ipython_syntax_are_said_not_moved(ip, ns, capsys):
+    ip.run_cell("%%ondevice meta\n!echo {x.shape}")  # a !command: not Python
+    assert ns["x"].device.type == "cpu"
+    out = [line for line in capsys.readouterr().out.splitlines() if "%%ondevice" in line]
+    assert out == ["%%ondevice: x holds tensors the cell names only in IPython syntax that "
+                   "is not Python (a !command, a %magic's argument), so not moved to meta"]

@@ -1,6 +1,6 @@
 """A loop of small ops run plainly, under `%%ondevice cpu` and under `%device cpu` (issue 36).
 
-    python bench/bench_ondevice_pace.py             # about a minute; --rounds N, --steps N
+    python bench/bench_ondevice_pace.py             # seconds; --rounds N, --steps N
     python bench/bench_ondevice_pace.py --quick     # a smoke run
 
 One IPython shell with the extension loaded runs the same cell, a loop of

@@ -14,8 +14,10 @@ nothing and reads as a plain cell's syntax error, then one line; top-level
 that move or copy them first: the free global names, found with `symtable`, so
 that a parameter, a comprehension's variable or a function's local that shares
 a name with a global is not taken for it; `cell_attributes` the attribute names
-it names (`fit` in `trainer.fit()`), which say which methods it can call. What
-the functions the cell calls read is `reach.py`'s.
+it names (`fit` in `trainer.fit()`), which say which methods it can call;
+both read the Python `python_of` makes of a cell: IPython's transform, with a
+nested cell magic's body of Python (`%%nograd`, `%%time`) and `%time`'s argument
+read as the cell's code. What the functions the cell calls read is `reach.py`'s.
 """
 
 from __future__ import annotations

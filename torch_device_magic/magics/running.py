@@ -139,8 +139,11 @@ class TorchDeviceRunMagics(MagicsGroup):
         cell names move first, all or nothing: if any copy fails (out of
         memory, a dtype the device lacks), nothing changes, the cell does not
         run, and the error says what failed, its size and what was free. The
-        cell then runs with DEV as torch's default device, which comes back
-        afterwards.
+        cell then runs with DEV as torch's default device, installed as
+        %device installs it (factory calls fill in `device=`; no mode that
+        every torch call pays for, so warnings name your lines; for the CPU
+        none at all), and the default before comes back afterwards, on an
+        error or Ctrl-C too (one the cell sets by hand stays).
 
         The body is compiled before anything moves: a syntax error shows as a
         plain cell's does and nothing moves; top-level `await` cannot run
@@ -157,8 +160,12 @@ class TorchDeviceRunMagics(MagicsGroup):
           that uses a global model and optimizer moves them.
           What cannot follow stays where it is, and -v names it: the globals
           of a module of your own (`train.py`), a closure's or a default
-          argument's tensors. Names inside nested magics (`%time f(x)`) are
-          not seen.
+          argument's tensors. A nested cell magic whose body is Python
+          (%%nograd, %%gpumem, %%profile, %%devcompare, %%time, %%timeit,
+          %%capture, %%prun) is read as the cell's code, and so is the
+          argument of %time, %timeit and %prun past their options; what is
+          not Python (%%bash's body, a !command) is not, and one line says
+          so where it names tensors.
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry, a weak reference, a module attribute
           and an optimizer that held the same tensor still do, with its

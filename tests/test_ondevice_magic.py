@@ -561,9 +561,15 @@ def test_the_cpu_installs_no_default_and_a_session_default_comes_back_after(ip, 
     assert torch.zeros(1).device == torch.device("tdmdev:1")
 
 
-def test_a_default_the_cell_sets_by_hand_stays(ip):
-    ip.run_cell("%%ondevice cpu\ntorch.set_default_device('meta')")
-    assert torch_default_device() == META and torch.zeros(1).device == META
+@pytest.mark.parametrize("session", [None, "cpu", "meta"])
+@pytest.mark.parametrize("spec", ["cpu", "meta"])
+def test_a_default_the_cell_sets_by_hand_stays(ip, session, spec):
+    if session:
+        ip.run_cell(f"%device {session}")
+    ip.run_cell(f"%%ondevice {spec} --restore\ntorch.set_default_device('cpu:0')")
+    assert torch_default_device() == torch.device("cpu", 0)
+    modes = torch.overrides._get_current_function_mode_stack()
+    assert [type(m).__name__ for m in modes] == ["DeviceContext"]  # torch's, for it: no other
 
 
 # --- nested magics: a body of Python is read as the cell's code; other syntax said -------

@@ -628,3 +628,27 @@ def test_a_write_only_later_runs_make_stops_the_comparison_and_says_so(ip):
         "%%devcompare stopped: a timed run on cpu wrote into x, which the guarded warm-up run "
         "did not; those values have changed (run it with --warmup 0, which copies everything)")
     assert len(ip.user_ns["seen"]) == 3  # it stopped after the first run that wrote
+
+
+def test_every_device_runs_under_no_device_mode_its_warnings_at_the_users_line(ip, tdmdev):
+    ip.run_cell("seen = []")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compare(ip, "cpu tdmdev:1 -n 1 --warmup 0",
+                "modes = torch.overrides._get_current_function_mode_stack()\n"
+                "seen.append((torch.zeros(1).device, [type(m).__name__ for m in modes]))\n"
+                "s = torch.nn.functional.softmax(torch.ones(2))\n"
+                "g = (torch.ones(2, requires_grad=True) * 2).grad")
+    assert ip.user_ns["seen"] == [(torch.device("cpu"), []), (torch.device("tdmdev:1"), [])]
+    lines = [w.lineno for w in caught if w.category is not DeprecationWarning
+             and ("softmax" in str(w.message) or ".grad" in str(w.message))]
+    assert lines == [3, 4, 3, 4]  # the cell's lines on each device, not torch/utils/_device.py
+    assert torch_default_device() is None
+
+
+@pytest.mark.parametrize("nested", ["%%nograd", "%%time", "%%capture out"])
+def test_a_nested_cell_magic_of_python_compares_its_body_on_copies(nsip, nested):
+    before = snapshot(nsip)
+    compare(nsip, "cpu meta -n 1 --warmup 0", f"{nested}\nseen.append(model(a).device.type)")
+    assert nsip.user_ns["seen"] == ["cpu", "meta"]  # the copies moved to each device
+    assert_unchanged(nsip, before)

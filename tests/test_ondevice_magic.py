@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import warnings
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from IPython.core.error import UsageError
 from test_reach import SCORES
 
 from torch_device_magic import moving
+from torch_device_magic.cells import cell_label
 from torch_device_magic.probes import torch_default_device
 
 META = torch.device("meta")
@@ -516,3 +519,93 @@ def test_verbose_names_what_a_function_of_the_users_own_module_keeps(ip, ns, tmp
     finally:
         import sys
         sys.modules.pop("tdm_user_steps", None)
+
+
+# --- the cell's default device: installed as %device installs it, no mode -----------------
+
+MODES = "modes = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]"
+
+
+def test_a_warning_a_torch_op_raises_in_the_cell_names_the_users_line(ip):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ip.run_cell("%%ondevice cpu\nx = 1\nt = torch.tensor(torch.ones(2))\n"
+                    "s = torch.nn.functional.softmax(torch.ones(2))")
+    found = [(cell_label(ip, w.filename) is not None, w.lineno) for w in caught
+             if "copy construct" in str(w.message) or "softmax" in str(w.message)]
+    assert found == [(True, 2), (True, 3)]  # not torch/utils/_device.py
+
+
+@pytest.mark.parametrize(("cell", "error"), [
+    ("", None), ("1 / 0", ZeroDivisionError), ("raise KeyboardInterrupt", KeyboardInterrupt)])
+def test_factory_calls_land_on_the_cells_device_under_no_mode_and_the_default_comes_back(
+        ip, tdmdev, cell, error):
+    ip.run_cell("%device meta")
+    before = torch_default_device()
+    body = f"%%ondevice tdmdev:1\n{MODES}\nmade = torch.zeros(2)\nlinear = torch.nn.Linear(2, 2)\n"
+    with pytest.raises(error) if error else contextlib.nullcontext():
+        ip.run_cell(body + cell)
+    ns = ip.user_ns
+    assert ns["modes"] == [] and ns["made"].device == torch.device("tdmdev:1")
+    assert ns["linear"].weight.device == torch.device("tdmdev:1")
+    assert torch_default_device() == before == META and torch.zeros(1).device == META
+    ip.run_cell("%device reset")  # still the default %device installed: it is undone
+    assert torch_default_device() is None
+
+
+def test_the_cpu_installs_no_default_and_a_session_default_comes_back_after(ip, tdmdev):
+    ip.run_cell("%device tdmdev:1")
+    ip.run_cell(f"%%ondevice cpu\n{MODES}\nmade = torch.zeros(2)\nnow = torch.get_default_device()")
+    ns = ip.user_ns
+    assert ns["modes"] == [] and ns["made"].device.type == "cpu" and ns["now"].type == "cpu"
+    assert torch.zeros(1).device == torch.device("tdmdev:1")
+
+
+@pytest.mark.parametrize("session", [None, "cpu", "meta"])
+@pytest.mark.parametrize("spec", ["cpu", "meta"])
+def test_a_default_the_cell_sets_by_hand_stays(ip, session, spec):
+    if session:
+        ip.run_cell(f"%device {session}")
+    ip.run_cell(f"%%ondevice {spec} --restore\ntorch.set_default_device('cpu:0')")
+    assert torch_default_device() == torch.device("cpu", 0)
+    modes = torch.overrides._get_current_function_mode_stack()
+    assert [type(m).__name__ for m in modes] == ["DeviceContext"]  # torch's, for it: no other
+
+
+# --- nested magics: a body of Python is read as the cell's code; other syntax said -------
+
+@pytest.mark.parametrize("nested", [
+    "%%nograd", "%%nograd --inference", "%%time", "%%capture captured", "%%gpumem",
+    "%%nograd\n%%time", "%%ondevice meta"])
+def test_a_nested_cell_magic_of_python_moves_what_its_body_uses(ip, ns, nested, capsys):
+    ip.run_cell(f"%%ondevice meta\n{nested}\ny = model(x[:3])")
+    assert ns["model"].weight.device == META and ns["x"].device == META
+    assert ns["y"].device == META and ns["bystander"].device.type == "cpu"
+    assert ns["y"].requires_grad is ("nograd" not in nested)  # the nested magic still applies
+    assert "%%ondevice:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line", [
+    "%time y = model(x[:3])", "%timeit -n 1 -r 1 -o model(x[:3])", "%prun -q -l 1 model(x[:3])"])
+def test_a_line_magic_whose_argument_is_python_moves_what_it_uses(ip, ns, line):
+    ip.run_cell(f"%%ondevice meta\n{line}")
+    assert ns["model"].weight.device == META and ns["x"].device == META
+
+
+def test_a_nested_cell_magic_whose_body_is_not_python_says_nothing_it_uses_moved(
+        ip, ns, tmp_path, capsys):
+    path = tmp_path / "step.py"
+    ip.run_cell(f"%%ondevice meta\n%%writefile {path}\ny = model(x[:3])")
+    assert path.read_text() == "y = model(x[:3])\n"
+    assert ns["model"].weight.device.type == "cpu" and ns["x"].device.type == "cpu"
+    out = [line for line in capsys.readouterr().out.splitlines() if "%%ondevice" in line]
+    assert out == ["%%ondevice: the body of %%writefile is not Python it can read, so nothing "
+                   "it uses moved to meta (model, x hold tensors)"]
+
+
+def test_tensors_named_only_in_ipython_syntax_are_said_not_moved(ip, ns, capsys):
+    ip.run_cell("%%ondevice meta\n!echo {x.shape}")  # a !command: not Python
+    assert ns["x"].device.type == "cpu"
+    out = [line for line in capsys.readouterr().out.splitlines() if "%%ondevice" in line]
+    assert out == ["%%ondevice: x holds tensors the cell names only in IPython syntax that "
+                   "is not Python (a !command, a %magic's argument), so not moved to meta"]

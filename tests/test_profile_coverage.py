@@ -288,11 +288,13 @@ def test_a_plain_run_whose_inputs_were_only_read_since_is_compared(ip):
     assert report.plain_wall_s is not None and report.plain_from == f"In[{plain}]"
 
 
-def test_a_plain_run_before_an_ondevice_cell_kept_its_inputs_there_is_not_compared(ip, tdmdev):
+@pytest.mark.parametrize("body", ["z = x.sum()", "%%nograd\nz = x.sum()"])
+def test_a_plain_run_before_an_ondevice_cell_kept_its_inputs_there_is_not_compared(
+        ip, tdmdev, body):
     run(ip, "x = torch.randn(64, 64)")
     run(ip, "y = x @ x")
     plain = run(ip, "y = x @ x").execution_count
-    moved = run(ip, "%%ondevice tdmdev\nz = x.sum()").execution_count  # x stays there
+    moved = run(ip, f"%%ondevice tdmdev\n{body}").execution_count  # x stays there
     assert ip.user_ns["x"].device.type == "tdmdev"
     report = run(ip, "%%profile -o\ny = x @ x").result
     assert report.plain_wall_s is None

@@ -224,6 +224,54 @@ def test_a_users_module_is_judged_by_what_is_read_from_it(utils, cell, unfollowe
     assert [str(u) for u in reached(utils, cell).unfollowed] == unfollowed
 
 
+@pytest.fixture(params=["dist-info", "egg-info"])
+def target_dir(request, tmp_path, monkeypatch):
+    """`pip install --target DIR` of `tdm_fake` (DIR on sys.path, as PYTHONPATH puts it):
+    a package with a `.dist-info` (RECORD), or a module file with an `.egg-info`
+    (top_level.txt); and a plain module `tdm_mine` in the notebook's folder, which holds
+    metadata of its own (`pip install -e .`). Each has a function that reads a tensor of
+    its module's; the notebook calls both."""
+    installed, notebook = tmp_path / "target", tmp_path / "notebook"
+    installed.mkdir()
+    notebook.mkdir()
+    code = "import torch\nSTATE = torch.ones(2)\ndef helper(x):\n    return x * STATE\n"
+    (notebook / "tdm_mine.py").write_text(code)
+    (notebook / "tdm_mine.egg-info").mkdir()
+    (notebook / "tdm_mine.egg-info" / "top_level.txt").write_text("tdm_mine\n")
+    if request.param == "dist-info":
+        (installed / "tdm_fake").mkdir()
+        (installed / "tdm_fake" / "__init__.py").write_text(code)
+        meta = installed / "tdm_fake-1.0.dist-info"
+        meta.mkdir()
+        (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: tdm-fake\nVersion: 1.0\n")
+        (meta / "RECORD").write_text("tdm_fake/__init__.py,,\ntdm_fake-1.0.dist-info/METADATA,,\n"
+                                     "tdm_fake-1.0.dist-info/RECORD,,\n")
+    else:
+        (installed / "tdm_fake.py").write_text(code)
+        meta = installed / "tdm_fake-1.0-py3.11.egg-info"
+        meta.mkdir()
+        (meta / "PKG-INFO").write_text("Metadata-Version: 1.0\nName: tdm-fake\nVersion: 1.0\n")
+        (meta / "top_level.txt").write_text("tdm_fake\n")
+    monkeypatch.chdir(notebook)
+    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.syspath_prepend("")  # IPython's entry for the notebook's folder
+    import tdm_fake
+    import tdm_mine
+    ns = {"__name__": "__main__", "tdm_fake": tdm_fake, "tdm_mine": tdm_mine, "x": torch.ones(2)}
+    exec("def step(v):\n    return tdm_fake.helper(v) + tdm_mine.helper(v)", ns)
+    yield ns
+    sys.modules.pop("tdm_fake", None)
+    sys.modules.pop("tdm_mine", None)
+
+
+def test_a_package_installed_outside_site_packages_is_not_walked_the_notebooks_folder_is(
+        target_dir):
+    exec("y = step(x)", target_dir)  # it runs
+    found = reached(target_dir, "y = step(x)")
+    assert [str(u) for u in found.unfollowed] == [
+        "tdm_mine.helper reads STATE from its module tdm_mine"]  # not tdm_fake.helper's
+
+
 # --- callables given as default arguments, or bound in a partial ------------------------
 
 SCORES = """\

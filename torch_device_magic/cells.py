@@ -14,8 +14,10 @@ nothing and reads as a plain cell's syntax error, then one line; top-level
 that move or copy them first: the free global names, found with `symtable`, so
 that a parameter, a comprehension's variable or a function's local that shares
 a name with a global is not taken for it; `cell_attributes` the attribute names
-it names (`fit` in `trainer.fit()`), which say which methods it can call. What
-the functions the cell calls read is `reach.py`'s.
+it names (`fit` in `trainer.fit()`), which say which methods it can call;
+both read the Python `python_of` makes of a cell: IPython's transform, with a
+nested cell magic's body of Python (`%%nograd`, `%%time`) and `%time`'s argument
+read as the cell's code. What the functions the cell calls read is `reach.py`'s.
 """
 
 from __future__ import annotations
@@ -152,16 +154,81 @@ def _awaits(source: str) -> bool:
     return True
 
 
+# Cell magics whose body is Python that runs as the cell's code, the extension's own and
+# IPython's; and line magics whose argument is.
+PYTHON_BODIES = frozenset({"ondevice", "nograd", "gpumem", "profile", "devcompare",
+                           "time", "timeit", "capture", "prun"})
+PYTHON_ARGUMENTS = frozenset({"time", "timeit", "prun"})
+
+
+def python_of(shell: Any, cell: str) -> tuple[str, str | None]:
+    """`cell`'s Python, once IPython has made Python of its `!cmd` and `%magic` lines,
+    for the names it reads: where the cell is a cell magic of `PYTHON_BODIES` (`%%nograd`,
+    `%%time`), nested or not, its body's; with the Python argument of each line magic of
+    `PYTHON_ARGUMENTS` (`%time y = f(x)`, `%timeit -n 3 f(x)`) added as a line. And the
+    name of a cell magic whose body is not Python (`%%bash`, `%%writefile`), whose names
+    are not read; else None."""
+    while True:
+        source = shell.transform_cell(cell)
+        if "get_ipython()" not in source:  # no magic: the cell's own Python
+            return source, None
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            return source, None  # the cell runner reports it
+        magics = _magic_calls(tree)
+        cell_magic = [(name, body) for kind, name, body in magics if kind == "run_cell_magic"]
+        if cell_magic and len(tree.body) == 1:
+            name, body = cell_magic[0]
+            if name not in PYTHON_BODIES:
+                return source, name
+            cell = body
+            continue
+        lines = [_past_options(arg) for kind, name, arg in magics
+                 if kind == "run_line_magic" and name in PYTHON_ARGUMENTS]
+        return "\n".join([source, *filter(None, lines)]), None
+
+
+def _magic_calls(tree: ast.Module) -> list[tuple[str, str, str]]:
+    """(kind, name, body or argument) of each `get_ipython().run_cell_magic(...)` and
+    `.run_line_magic(...)` call IPython made of a cell's magics."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("run_cell_magic", "run_line_magic")):
+            args = [a.value for a in node.args
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if args and len(args) == len(node.args):
+                found.append((node.func.attr, args[0], args[-1]))
+    return found
+
+
+def _past_options(argument: str) -> str | None:
+    """A line magic's argument that is Python, past the options before it (`-n 3 -o f(x)`:
+    `f(x)`); None where none is."""
+    words = argument.split(None)
+    for k in range(len(words)):
+        skipped = words[:k]
+        if any(not w.startswith("-") and not (i and skipped[i - 1].startswith("-"))
+               for i, w in enumerate(skipped)):
+            return None  # past what reads as options
+        rest = argument.split(None, k)[k]
+        try:
+            ast.parse(rest)
+        except SyntaxError:
+            continue
+        return rest
+    return None
+
+
 def names_read(shell: Any, cell: str) -> set[str]:
-    """The namespace names `cell` reads, once IPython has made Python of its `!cmd` and
-    `%magic` lines (see `cell_names`)."""
-    return cell_names(shell.transform_cell(cell))
+    """The namespace names `cell` reads (see `python_of` and `cell_names`)."""
+    return cell_names(python_of(shell, cell)[0])
 
 
 def attributes_read(shell: Any, cell: str) -> set[str]:
-    """The attribute names `cell` names, once IPython has made Python of it (see
-    `cell_attributes`)."""
-    return cell_attributes(shell.transform_cell(cell))
+    """The attribute names `cell` names (see `python_of` and `cell_attributes`)."""
+    return cell_attributes(python_of(shell, cell)[0])
 
 
 def cell_attributes(source: str) -> set[str]:

@@ -17,9 +17,10 @@ one per thread) holds our `FactoryDefault`, so `torch.get_default_device()`,
 `torch.set_default_device` by hand (which ends ours through its `__exit__`) and
 torch.compile's guard (`torch.utils._device.CURRENT_DEVICE`) see it as torch's own.
 
+`for_cell` installs the same for one cell (`%%ondevice`, `%%devcompare`'s runs).
 As torch's, it is thread-local: other threads, autograd's device threads
-included, get the CPU. A `with torch.device(...)` block (`%%ondevice`) is a
-DeviceContext on the mode stack: the wrappers leave its factory calls to it.
+included, get the CPU. A `with torch.device(...)` block is a DeviceContext on
+the mode stack: the wrappers leave its factory calls to it.
 Other modes on the stack see `device=` already filled in. A factory bound to
 another name before ours was installed (`from torch import zeros`, and torch's
 own `random_split`) is not filled in.
@@ -209,10 +210,36 @@ class DefaultDevice:
 
 
 @contextlib.contextmanager
+def for_cell(dev: torch.device) -> Iterator[None]:
+    """`dev` as torch's default device in the block (an `%%ondevice` cell, a comparison's
+    runs), installed as `%device` installs it: no mode, so the block's other torch calls
+    cost nothing more and their warnings name the user's lines. For the CPU none at all
+    (the default in force is lifted). The default in force before comes back after, on an
+    error or Ctrl-C too, unless the block set one by hand, which stays."""
+    context: Any = default_context()
+    if isinstance(context, FactoryDefault) and context.device == dev:
+        yield  # already ours (`%device DEV`, then `%%ondevice`): nothing to change
+        return
+    with lifted():
+        if dev.type == "cpu":
+            yield
+            return
+        ours = FactoryDefault(dev)
+        ours.__enter__()
+        _set_slot(ours)
+        try:
+            yield
+        finally:
+            if default_context() is ours:
+                ours.__exit__(None, None, None)
+                _set_slot(None)
+
+
+@contextlib.contextmanager
 def lifted() -> Iterator[None]:
     """No default device in the block (factory functions use the CPU), then the very same
     one back: its identity is how `DefaultDevice` knows the default it installed, so
-    `torch.set_default_device(before)` would not do."""
+    `torch.set_default_device(before)` would not do. One the block set by hand stays."""
     context: Any = default_context()
     if context is None:
         yield
@@ -222,8 +249,9 @@ def lifted() -> Iterator[None]:
     try:
         yield
     finally:
-        context.__enter__()
-        _set_slot(context)
+        if default_context() is None:
+            context.__enter__()
+            _set_slot(context)
 
 
 def _set_slot(context: object) -> None:

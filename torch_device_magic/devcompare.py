@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .default_device import lifted
+from .default_device import for_cell
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
@@ -208,18 +208,6 @@ def _rng_kept(devices: Sequence[torch.device], kept: Sequence[torch.Generator]) 
         yield
 
 
-@contextlib.contextmanager
-def _default_device(dev: torch.device) -> Iterator[None]:
-    """`dev` as torch's default device; for the CPU, no device mode at all (a session
-    default is lifted): a mode costs on every torch call and would slow the CPU's times."""
-    if dev.type != "cpu":
-        with torch.device(dev):
-            yield
-        return
-    with lifted():
-        yield
-
-
 def _on_device(
     ns: dict[str, Any], run: Callable[[], Any], dev: torch.device, names: list[str], runs: int,
     warmup: int, made: list[weakref.ref], rng: Callable[[], contextlib.AbstractContextManager],
@@ -267,7 +255,7 @@ def _runs(
         ns.update(inputs.copies)
         move(ns, names, dev)
         ns["device"] = dev
-        with _default_device(dev), warnings.catch_warnings():
+        with for_cell(dev), warnings.catch_warnings():
             # A copied optimizer loses the step wrapper its LR scheduler put on the original,
             # and torch would blame the user for "overriding" it.
             warnings.filterwarnings("ignore", message=_UNWRAPPED_STEP)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from IPython.core.displaypub import DisplayPublisher
 
-from .cells import cell_names, first_code_line, names_bound, names_changed, only_comments
+from .cells import cell_names, first_code_line, names_bound, names_changed, only_comments, python_of
 from .history import History
 from .kernel_publish import publish
 from .measure import Measurement, Meter
@@ -254,10 +254,8 @@ class CellReporter:
         what the body reads on its device); None where nothing."""
         if any(line.startswith("%device") and "--move" in line for line in source.splitlines()):
             return "moved every tensor" if names else None
-        first, _, body = source.partition("\n")
-        if first.startswith("%%"):
-            source = body
-        source = self._shell.transform_cell(source)
+        first = source.partition("\n")[0]
+        source = python_of(self._shell, source)[0]  # a (nested) cell magic's body of Python
         if first.startswith("%%ondevice") and "--restore" not in first:
             moved = sorted(cell_names(source) & set(names))
             if moved:  # the same objects, on another device since

@@ -34,10 +34,13 @@ from the names, transitively:
 Where the code followed reaches tensors that no name of the notebook holds
 (its own module's globals, a closure, a default argument, a partial), that is
 `unfollowed`: a mover cannot move them, a comparison cannot give them copies.
-Installed code (the standard library, site-packages: torch, numpy) is not
-looked into: its module state is no notebook's. Methods are matched by name,
-whatever object they are called on; code that calls one by a computed name
-(`getattr(obj, name)`) is not seen.
+Installed code (the standard library, site-packages: torch, numpy; and a
+distribution installed in any other `sys.path` folder, `pip install --target
+DIR` found through PYTHONPATH, where its `*.dist-info` or `*.egg-info` stands)
+is not looked into: its module state is no notebook's. The user's own code is
+the notebook's folder (the working directory) and what no distribution lists.
+Methods are matched by name, whatever object they are called on; code that
+calls one by a computed name (`getattr(obj, name)`) is not seen.
 """
 
 from __future__ import annotations
@@ -417,4 +420,52 @@ def _installed(g: dict) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _installed_file(path: str) -> bool:
-    return os.path.realpath(path).startswith(_installed_paths())
+    real = os.path.realpath(path)
+    return real.startswith(_installed_paths()) or _distributed(real)
+
+
+def _distributed(path: str) -> bool:
+    """Whether the file `path` (real) is a distribution's, installed in the `sys.path`
+    folder it is found in wherever that is (`pip install --target DIR` on PYTHONPATH):
+    its top-level module is one of those the metadata there lists. The notebook's own
+    folder holds the user's code, metadata or not (`pip install -e .` leaves some)."""
+    folders = [f for f in map(_real_folder, sys.path) if path.startswith(f)]
+    if not folders:
+        return False
+    folder = max(folders, key=len)
+    if folder == _real_folder(""):  # the working directory: the notebook's folder
+        return False
+    top = path[len(folder):].split(os.sep)[0].split(".")[0]  # `pkg/`, `mod.py`, `_ext.cpython…so`
+    return top in _distributions(folder)
+
+
+def _real_folder(entry: str) -> str:
+    """A `sys.path` entry as a real folder ending in the separator ('' is the working one)."""
+    return _real(os.path.abspath(entry))
+
+
+@functools.lru_cache(maxsize=256)
+def _real(folder: str) -> str:
+    return os.path.join(os.path.realpath(folder), "")
+
+
+@functools.lru_cache(maxsize=256)
+def _distributions(folder: str) -> frozenset[str]:
+    """The top-level modules of the distributions whose metadata (`*.dist-info`,
+    `*.egg-info`) stands in `folder`: from `top_level.txt`, else `RECORD`'s paths, else
+    the distribution's name. Read once a folder."""
+    found: set[str] = set()
+    with contextlib.suppress(OSError):  # not a folder (a zip), or unreadable: none
+        for entry in os.scandir(folder):
+            if not entry.name.endswith((".dist-info", ".egg-info")):
+                continue
+            found.add(entry.name.split("-")[0])
+            for listing, column in (("top_level.txt", False), ("RECORD", True)):
+                with contextlib.suppress(OSError):
+                    with open(os.path.join(entry.path, listing), encoding="utf-8") as lines:
+                        for line in lines:
+                            name = line.split(",")[0] if column else line
+                            found.add(name.strip().split("/")[0].split(".")[0])
+                    break
+    found.discard("")
+    return frozenset(found)

@@ -10,8 +10,10 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
 from .. import cells, moving, reach
+from ..default_device import for_cell
 from ..devices import EXAMPLES, device_table, take_inventory
 from ..errors import DeviceMagicError
+from ..namespace import holds_tensors
 from .arguments import parse, user_errors
 from .core import MagicsGroup
 
@@ -142,8 +144,11 @@ class TorchDeviceRunMagics(MagicsGroup):
         cell names move first, all or nothing: if any copy fails (out of
         memory, a dtype the device lacks), nothing changes, the cell does not
         run, and the error says what failed, its size and what was free. The
-        cell then runs with DEV as torch's default device, which comes back
-        afterwards.
+        cell then runs with DEV as torch's default device, installed as
+        %device installs it (factory calls fill in `device=`; no mode that
+        every torch call pays for, so warnings name your lines; for the CPU
+        none at all), and the default before comes back afterwards, on an
+        error or Ctrl-C too (one the cell sets by hand stays).
 
         The body is compiled before anything moves: a syntax error shows as a
         plain cell's does and nothing moves; top-level `await` cannot run
@@ -160,8 +165,12 @@ class TorchDeviceRunMagics(MagicsGroup):
           that uses a global model and optimizer moves them.
           What cannot follow stays where it is, and -v names it: the globals
           of a module of your own (`train.py`), a closure's or a default
-          argument's tensors. Names inside nested magics (`%time f(x)`) are
-          not seen.
+          argument's tensors. A nested cell magic whose body is Python
+          (%%nograd, %%gpumem, %%profile, %%devcompare, %%time, %%timeit,
+          %%capture, %%prun) is read as the cell's code, and so is the
+          argument of %time, %timeit and %prun past their options; what is
+          not Python (%%bash's body, a !command) is not, and one line says
+          so where it names tensors.
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry, a weak reference, a module attribute
           and an optimizer that held the same tensor still do, with its
@@ -215,11 +224,12 @@ class TorchDeviceRunMagics(MagicsGroup):
         args = parse(self.ondevice, line)
         dev = self._cell_device(args.spec)
         run = cells.compiled(self.shell, cell)  # a cell that cannot run moves nothing
-        names = (self._all_names() if args.all
-                 else cells.names_read(self.shell, cell))
+        source, foreign = cells.python_of(self.shell, cell)  # a nested %%nograd's body too
+        names = self._all_names() if args.all else cells.cell_names(source)
         # and what the code it can call reads (the notebook's functions, a module's forward)
-        found = reach.reach(self.shell.user_ns, names, cells.attributes_read(self.shell, cell))
+        found = reach.reach(self.shell.user_ns, names, cells.cell_attributes(source))
         names = sorted({*names, *found.names})
+        unread = None if args.all else self._unread(cell, source, foreign, dev)
         moved, failed, hold = None, False, moving.SigintHold()
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
@@ -227,11 +237,13 @@ class TorchDeviceRunMagics(MagicsGroup):
             # A Ctrl-C once the move was done goes to the SIGINT handler now, inside the
             # try: if it raises (Python's does), what moved is restored below.
             moving.deliver(moved)
+            if unread:
+                print(unread)
             if args.verbose:
                 table = moved.table()
                 table.notes = [*table.notes, *found.notes()]
                 display(table)
-            with torch.device(dev):
+            with for_cell(dev):
                 return run()
         except BaseException as err:
             if moved is not None:  # the cell's error, not the move's
@@ -243,6 +255,25 @@ class TorchDeviceRunMagics(MagicsGroup):
                 # First, and in C: a Ctrl-C from the cell's end on waits for the restore.
                 hold.replaced = hold.engage()
                 self._restore(moved, hold, failed, args.verbose)
+
+    def _unread(self, cell: str, source: str, foreign: str | None, dev: torch.device) -> str | None:
+        """The line that says what the cell uses where `%%ondevice` reads no Python (a nested
+        `%%bash`'s body, a `%magic`'s argument), and so does not move; None where nothing."""
+        if foreign is None and "%" not in cell and "!" not in cell:
+            return None  # Python throughout: all of it read
+        read, ns = set(cells.code_words(source)), self.shell.user_ns
+        held = [w for w in cells.code_words(cell) if w not in read and not w.startswith("_")
+                and w not in self.shell.user_ns_hidden and w in ns and holds_tensors(ns[w])]
+        verb = "holds" if len(held) == 1 else "hold"
+        if foreign is not None:
+            held_here = f" ({', '.join(held)} {verb} tensors)" if held else ""
+            return (f"%%ondevice: the body of %%{foreign} is not Python it can read, so "
+                    f"nothing it uses moved to {dev}{held_here}")
+        if not held:
+            return None
+        return (f"%%ondevice: {', '.join(held)} {verb} tensors the cell names only in IPython "
+                f"syntax that is not Python (a !command, a %magic's argument), so not moved "
+                f"to {dev}")
 
     def _restore(
         self, moved: moving.MoveResult, hold: moving.SigintHold, failed: bool, verbose: bool

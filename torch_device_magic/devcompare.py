@@ -21,9 +21,12 @@ are moved there with the `%%ondevice` mover; the cell runs with that device as
 torch's default and as `device` (the CPU under no device mode, which would slow
 every torch call); then the namespace gets back exactly the bindings it had,
 the copies are freed before the next device's are made, and the random states
-(torch's and the user's generators the cell reaches) are put back. The cell is
-compiled once, run `warmup` times, then timed `runs` times, the device
-synchronised around each timed run where its runtime is up.
+(torch's, Python's and NumPy's global ones, and the user's generators of all three
+that the cell reaches) are put back. A checksum of each shared storage, before and
+after a device's runs, catches the writes no version counter sees (through `.data`,
+a storage, a raw pointer) and says so. The cell is compiled once, run `warmup`
+times, then timed `runs` times, the device synchronised around each timed run
+where its runtime is up.
 """
 
 from __future__ import annotations

@@ -682,7 +682,7 @@ def test_pythons_and_numpys_random_states_are_put_back_and_each_device_starts_fr
 
 # --- the devices named ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("line", ["tdmdev tdmdev:0", "cpu tdmdev:0 tdmdev"])
+@pytest.mark.parametrize("line", ["tdmdev tdmdev:0", "cpu tdmdev:0 tdmdev", "tdmdev:0 tdmdev:0"])
 def test_one_accelerator_named_twice_under_two_spellings_is_refused(ip, tdmdev, line):
     ip.run_cell("ran = []")
     first, second = [d for d in line.split() if d.startswith("tdmdev")]

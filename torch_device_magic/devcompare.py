@@ -129,9 +129,10 @@ def devices_to_compare(specs: Sequence[str], inventory: Inventory) -> list[torch
         twin = next((j for j in range(i) if _same_device(found[j], dev)), None)
         if twin is not None:
             same = f"{specs[twin]} and {specs[i]}"
+            shown = dev if dev.index is not None else found[twin]  # the one with its index
             raise DeviceMagicError(
-                f"%%devcompare got one device twice: {same} are the same device "
-                f"({_concrete(dev)}); compare different devices, e.g. %%devcompare cpu cuda"
+                f"%%devcompare got one device twice: {same} are the same device ({shown}); "
+                "compare different devices, e.g. %%devcompare cpu cuda"
             )
     if len(found) < 2:
         raise DeviceMagicError(

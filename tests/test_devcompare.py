@@ -578,6 +578,10 @@ def test_a_tensor_the_cell_only_reads_is_not_copied_on_its_own_device(ip):
     "y = torch.zeros(3)\ny.set_(x.untyped_storage()); y.fill_(5)",
     "try:\n    x.add_(1)\nexcept BaseException:\n    pass",
     "torch.optim.SGD([x.requires_grad_()], lr=1.0).step() if False else x.resize_(1)",
+    # through no operator, past the version counter: apply_ and map_ are CPU-only
+    "if x.device.type == 'cpu':\n    x.apply_(lambda v: v + 1)",
+    "if x.device.type == 'cpu':\n    x.map_(x, lambda a, b: a + b)",
+    "if x.device.type == 'cpu':\n    x.map2_(x, x, lambda a, b, c: a + b + c)",
 ])
 def test_a_write_into_a_shared_tensor_gets_a_copy_and_the_users_stays(ip, write):
     ip.run_cell("x = torch.arange(6.0); seen = []")
@@ -652,3 +656,107 @@ def test_a_nested_cell_magic_of_python_compares_its_body_on_copies(nsip, nested)
     compare(nsip, "cpu meta -n 1 --warmup 0", f"{nested}\nseen.append(model(a).device.type)")
     assert nsip.user_ns["seen"] == ["cpu", "meta"]  # the copies moved to each device
     assert_unchanged(nsip, before)
+
+
+@pytest.mark.parametrize("write", [
+    "x.apply_(lambda v: v + 1)",
+    "x.data[0] = 3",
+    "x.untyped_storage().fill_(0)",
+    "x.untyped_storage()[0] = 9",
+    "import ctypes; ctypes.memset(x.untyped_storage().data_ptr(), 0, 8) if x.is_cpu else 0",
+])
+def test_a_later_write_past_the_version_counters_stops_the_comparison_and_says_so(ip, write):
+    ip.run_cell("x = torch.arange(6.0); seen = []")
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(f"%%devcompare cpu meta -n 3\nseen.append(1)\nif len(seen) > 2:\n    {write}")
+    assert str(err.value) == (
+        "%%devcompare stopped: a run on cpu wrote into x unseen by the guarded warm-up run and "
+        "by torch's version counters (through .data, a storage, apply_ or a raw pointer); "
+        "those values have changed (run it with --warmup 0, which copies everything)")
+    assert len(ip.user_ns["seen"]) == 4  # it stopped after the CPU's runs, meta's never ran
+
+
+def test_a_shared_tensor_on_another_accelerator_is_checked_there_too(ip, tdmdev):
+    ip.run_cell("x = torch.arange(6.0, device='tdmdev:0'); seen = []")
+    with pytest.raises(UsageError, match="a run on tdmdev:0 wrote into x unseen"):
+        ip.run_cell("%%devcompare cpu tdmdev:0 -n 3\nseen.append(1)\n"
+                    "if x.device.type == 'tdmdev' and len(seen) > 5:\n    x.data.fill_(1)")
+    assert len(ip.user_ns["seen"]) == 8  # 4 on the CPU (on a copy), 4 on tdmdev:0
+
+
+# --- Python's and NumPy's random state ----------------------------------------------------
+
+def test_pythons_and_numpys_random_states_are_put_back_and_each_device_starts_from_them(ip):
+    pytest.importorskip("numpy")
+    ip.run_cell(
+        "import random\nimport numpy as np\n"
+        "def seeded():\n"
+        "    random.seed(0); np.random.seed(0)\n"
+        "    return np.random.default_rng(1), random.Random(2)\n"
+        "rng, pyrng = seeded()\n"
+        "expected = (random.random(), np.random.rand(), rng.random(), pyrng.random())\n"
+        "rng, pyrng = seeded()"
+    )
+    result = compare(ip, "cpu meta -n 2 -o",
+                     "[random.random(), np.random.rand(2), rng.random(), pyrng.random()]")
+    assert result.devices[1].max_abs_diff == 0.0  # each device drew the same numbers
+    ip.run_cell("after = (random.random(), np.random.rand(), rng.random(), pyrng.random())")
+    assert ip.user_ns["after"] == ip.user_ns["expected"]
+
+
+# --- the devices named ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("line", ["tdmdev tdmdev:0", "cpu tdmdev:0 tdmdev", "tdmdev:0 tdmdev:0"])
+def test_one_accelerator_named_twice_under_two_spellings_is_refused(ip, tdmdev, line):
+    ip.run_cell("ran = []")
+    first, second = [d for d in line.split() if d.startswith("tdmdev")]
+    with pytest.raises(UsageError) as err:
+        ip.run_cell(f"%%devcompare {line}\nran.append(1)")
+    assert str(err.value) == (
+        f"%%devcompare got one device twice: {first} and {second} are the same device "
+        "(tdmdev:0); compare different devices, e.g. %%devcompare cpu cuda")
+    assert ip.user_ns["ran"] == []
+
+
+def test_two_devices_of_one_accelerator_are_compared(ip, tdmdev):
+    result = compare(ip, "tdmdev tdmdev:1 -n 1 --warmup 0 -o", "torch.ones(2).device.index")
+    assert [d.device for d in result.devices] == ["tdmdev", "tdmdev:1"]
+
+
+@pytest.mark.cuda
+def test_cuda_and_its_current_device_by_index_are_one_device(ip):
+    index = torch.cuda.current_device()
+    with pytest.raises(UsageError, match=rf"cuda and cuda:{index} are the same device"):
+        ip.run_cell(f"%%devcompare cuda cuda:{index}\n1")
+
+
+def test_meta_is_no_reference_since_it_computes_nothing(ip):
+    ip.run_cell("ran = []")
+    with pytest.raises(UsageError) as err:
+        ip.run_cell("%%devcompare meta cpu\nran.append(1)")
+    assert str(err.value) == (
+        "%%devcompare cannot take meta as the reference, since it computes nothing: put a "
+        "device that does first, e.g. %%devcompare cpu meta")
+    assert ip.user_ns["ran"] == []
+
+
+# --- NumPy results ---------------------------------------------------------------------------
+
+def test_numpy_scalars_and_arrays_are_compared_as_numbers_and_tensors():
+    np = pytest.importorskip("numpy")
+    assert difference(np.float32(1.5), np.float32(1.5)) == 0.0
+    assert difference(np.int64(3), np.int64(5)) == 2.0
+    assert difference(np.float32(1.5), 1.75) == 0.25
+    assert difference(np.arange(4.0)[::-1], np.arange(4.0)[::-1]) == 0.0
+    assert difference([np.ones(2)], [np.array([1.0, 1.5], dtype=np.float32)]) == 0.5
+    assert math.isnan(difference(np.array([NAN]), np.array([1.0])))
+    assert difference(np.ones(2), np.ones(3)) is None
+    assert difference(np.array(["a"]), np.array(["a"])) is None  # not numbers
+
+
+def test_numpy_results_equal_on_both_devices_read_no_difference(ip, tdmdev):
+    pytest.importorskip("numpy")
+    ip.run_cell("import numpy as np; x = torch.arange(6.0)")
+    result = compare(ip, "cpu tdmdev:0 -n 1 -o",
+                     "y = (x * 2).cpu()\n(y.numpy(), np.float32(y.sum().item()), np.int64(3))")
+    assert result.devices[1].max_abs_diff == 0.0

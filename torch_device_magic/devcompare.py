@@ -21,9 +21,12 @@ are moved there with the `%%ondevice` mover; the cell runs with that device as
 torch's default and as `device` (the CPU under no device mode, which would slow
 every torch call); then the namespace gets back exactly the bindings it had,
 the copies are freed before the next device's are made, and the random states
-(torch's and the user's generators the cell reaches) are put back. The cell is
-compiled once, run `warmup` times, then timed `runs` times, the device
-synchronised around each timed run where its runtime is up.
+(torch's, Python's and NumPy's global ones, and the user's generators of all three
+that the cell reaches) are put back. A checksum of each shared storage, before and
+after a device's runs, catches the writes no version counter sees (through `.data`,
+a storage, a raw pointer) and says so. The cell is compiled once, run `warmup`
+times, then timed `runs` times, the device synchronised around each timed run
+where its runtime is up.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import copy
 import functools
 import gc
 import math
+import random
 import statistics
 import sys
 import warnings
@@ -53,7 +57,7 @@ from .default_device import for_cell
 from .devices import Inventory, resolve
 from .errors import DeviceMagicError, first_sentence
 from .moving import move
-from .namespace import found_in, generators, holds_tensors, tensors_in
+from .namespace import found_in, holds_tensors, tensors_in
 from .probes import active_accelerator, clock, empty_cache, free_bytes
 from .reach import reach
 from .reports import Table
@@ -118,20 +122,43 @@ class Comparison:
 
 
 def devices_to_compare(specs: Sequence[str], inventory: Inventory) -> list[torch.device]:
-    """The devices `specs` name, each available and different; at least two."""
+    """The devices `specs` name, each available and different; at least two, the first
+    one that computes (not meta)."""
     found = [resolve(spec, inventory)[0] for spec in specs]  # canonical: cpu:0 is cpu
     for i, dev in enumerate(found):
-        if dev in found[:i]:
-            same = f"{specs[found.index(dev)]} and {specs[i]}"
+        twin = next((j for j in range(i) if _same_device(found[j], dev)), None)
+        if twin is not None:
+            same = f"{specs[twin]} and {specs[i]}"
+            shown = dev if dev.index is not None else found[twin]  # the one with its index
             raise DeviceMagicError(
-                f"%%devcompare got one device twice: {same} are the same device ({dev}); "
+                f"%%devcompare got one device twice: {same} are the same device ({shown}); "
                 "compare different devices, e.g. %%devcompare cpu cuda"
             )
     if len(found) < 2:
         raise DeviceMagicError(
             "%%devcompare needs at least two devices, e.g. %%devcompare cpu cuda"
         )
+    if found[0].type == "meta":
+        raise DeviceMagicError(
+            "%%devcompare cannot take meta as the reference, since it computes nothing: "
+            f"put a device that does first, e.g. %%devcompare {specs[1]} {specs[0]}"
+        )
     return found
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` are one device: `cuda` is `cuda:0` where cuda:0 is the current
+    one (asked only then, which starts the runtime, as the comparison would)."""
+    if a.type != b.type or a == b:
+        return a == b
+    return _concrete(a) == _concrete(b)
+
+
+def _concrete(dev: torch.device) -> torch.device:
+    """`dev` with the index of the device it means (`tdmdev` as `tdmdev:0`)."""
+    if dev.index is not None or dev.type in ("cpu", "meta"):
+        return dev
+    return torch.empty(0, device=dev).device
 
 
 def compare(
@@ -162,7 +189,7 @@ def compare(
     # the copies of a module call their hooks, which must not write into the user's dict.
     names = sorted(n for n in read if holds_tensors(namespace[n])
                    or (n in found.hooked and isinstance(namespace[n], (dict, list, set))))
-    kept = generators(namespace[n] for n in sorted(read))
+    kept = _generators(namespace[n] for n in sorted(read))
     timings: list[DeviceTiming] = []
     reference = None
     for i, dev in enumerate(devices):
@@ -180,8 +207,8 @@ def compare(
         speedup: float | None = (
             timings[0].median_s / statistics.median(runs_s) if timings else 1.0
         )
-        if "meta" in (dev.type, devices[0].type):
-            speedup = None if i else 1.0
+        if dev.type == "meta":  # it computes nothing: its times are no speed
+            speedup = None
         diff = None if i == 0 else difference(reference, value)
         timings.append(DeviceTiming(str(dev), runs_s, speedup, diff))
         del value  # before the next device runs: it may hold that device's memory
@@ -189,11 +216,23 @@ def compare(
     return Comparison(timings, warmup)
 
 
+def _generators(objs: Iterable[object]) -> list[Any]:
+    """The random generators `objs` reach: torch's, Python's (`random.Random`) and, where
+    NumPy is imported, NumPy's."""
+    np = sys.modules.get("numpy")
+    kinds: tuple[type, ...] = (torch.Generator, random.Random)
+    if np is not None:
+        kinds += (np.random.Generator, np.random.BitGenerator, np.random.RandomState)
+    found: list[Any] = found_in(objs, *kinds)
+    return [g for g in found if not isinstance(g, random.SystemRandom)]  # the OS's: no state
+
+
 @contextlib.contextmanager
-def _rng_kept(devices: Sequence[torch.device], kept: Sequence[torch.Generator]) -> Iterator[None]:
-    """Save the random state of the CPU, of each device compared and of the generators `kept`
-    (the user's own, which the cell reaches), and put it back, so that a seeded notebook
-    draws the same numbers after the comparison as before."""
+def _rng_kept(devices: Sequence[torch.device], kept: Sequence[Any]) -> Iterator[None]:
+    """Save the random state of the CPU, of each device compared, Python's and NumPy's
+    global ones and those of the generators `kept` (the user's own, which the cell reaches),
+    and put it back, so that a seeded notebook draws the same numbers after the comparison
+    as before, and each device's runs draw the same numbers."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU's
         for kind in sorted({d.type for d in devices} - {"cpu", "meta"}):
@@ -203,8 +242,18 @@ def _rng_kept(devices: Sequence[torch.device], kept: Sequence[torch.Generator]) 
             current = getattr(module, "current_device", lambda: 0)  # MPS has one device
             indices = {current() if d.index is None else d.index for d in devices if d.type == kind}
             stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+        stack.callback(random.setstate, random.getstate())
+        np = sys.modules.get("numpy")  # not imported: the cell has drawn nothing from it
+        if np is not None:
+            stack.callback(np.random.set_state, np.random.get_state())
         for generator in kept:
-            stack.callback(generator.set_state, generator.get_state())
+            if isinstance(generator, random.Random):
+                stack.callback(generator.setstate, generator.getstate())
+            elif hasattr(generator, "get_state"):  # torch's Generator, NumPy's RandomState
+                stack.callback(generator.set_state, generator.get_state())
+            else:  # NumPy's Generator and BitGenerator
+                bits = getattr(generator, "bit_generator", generator)
+                stack.callback(setattr, bits, "state", bits.state)
         yield
 
 
@@ -255,6 +304,7 @@ def _runs(
         ns.update(inputs.copies)
         move(ns, names, dev)
         ns["device"] = dev
+        sums = inputs.checksums()
         with for_cell(dev), warnings.catch_warnings():
             # A copied optimizer loses the step wrapper its LR scheduler put on the original,
             # and torch would blame the user for "overriding" it.
@@ -277,6 +327,9 @@ def _runs(
                 if inputs.versions() != versions:
                     raise DeviceMagicError(_WROTE_LATE.format(
                         ", ".join(inputs.changed(versions)), dev))
+            unseen = inputs.unseen(sums)  # once, after the runs: it reads every shared byte
+            if unseen:
+                raise DeviceMagicError(_WROTE_UNSEEN.format(", ".join(unseen), dev))
         return runs_s, value
     except (DeviceMagicError, _SharedWrite):  # the inputs could not be copied: it did not run
         raise
@@ -296,6 +349,11 @@ _WROTE_LATE = (
     "%%devcompare stopped: a timed run on {1} wrote into {0}, which the guarded warm-up run "
     "did not; those values have changed (run it with --warmup 0, which copies everything)"
 )
+_WROTE_UNSEEN = (
+    "%%devcompare stopped: a run on {1} wrote into {0} unseen by the guarded warm-up run and "
+    "by torch's version counters (through .data, a storage, apply_ or a raw pointer); those values "
+    "have changed (run it with --warmup 0, which copies everything)"
+)
 
 
 @dataclass
@@ -311,8 +369,30 @@ class _Inputs:
         return [t._version for t in self.aliases]
 
     def changed(self, before: list[int]) -> list[str]:
-        keys = {storage_key(t) for t, v in zip(self.aliases, before) if t._version != v}
+        return self._names(storage_key(t) for t, v in zip(self.aliases, before) if t._version != v)
+
+    def checksums(self) -> dict[int, tuple[int, int]]:
+        """A checksum of each shared storage that holds bytes (not meta's): it sees the writes
+        that version counters miss (through `.data`, a storage, a raw pointer)."""
+        storages = {storage_key(t): t.untyped_storage() for t in self.aliases if not t.is_meta}
+        return {key: _checksum(storage) for key, storage in storages.items()}
+
+    def unseen(self, before: dict[int, tuple[int, int]]) -> list[str]:
+        """The names that reach a shared storage whose checksum is no longer `before`'s."""
+        now = self.checksums()
+        return self._names(key for key, sums in before.items() if now[key] != sums)
+
+    def _names(self, keys: Iterable[int]) -> list[str]:
         return sorted({n for k in keys for n in self.shared.get(k, ())})
+
+
+def _checksum(storage: torch.UntypedStorage) -> tuple[int, int]:
+    """The sums of a storage's bytes read as 64-bit words, and of the bytes after the last
+    word: one pass, no copy (a 256 MiB storage takes milliseconds)."""
+    n, dev = storage.nbytes(), storage.device
+    words = torch.empty(0, dtype=torch.int64, device=dev).set_(storage, 0, (n // 8,), (1,))
+    rest = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage, n - n % 8, (n % 8,), (1,))
+    return int(words.sum()), int(rest.sum())
 
 
 def _copies(ns: dict, names: list[str], dev: torch.device, written: set[str]) -> _Inputs:
@@ -447,7 +527,9 @@ def _rebuilt(t: Tensor, memo: dict, dev: torch.device, share: bool) -> Tensor:
         if share:
             memo[key] = t.untyped_storage()
         else:
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            storage = t.untyped_storage()  # with its size: a backend may know set_ only so
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                storage, 0, (storage.nbytes(),), (1,))
             memo[key] = whole.to(dev, copy=True).untyped_storage()
     new = torch.empty(0, dtype=t.dtype, device=dev)
     new.set_(memo[key], t.storage_offset(), t.size(), t.stride())
@@ -500,13 +582,17 @@ class _SharedWrite(BaseException):
         self.names = names
 
 
-_ESCAPES = frozenset({Tensor.numpy, Tensor.__array__, Tensor.data_ptr, Tensor.__dlpack__})
+# What hands a tensor's memory to code torch cannot watch (NumPy, DLPack, a raw pointer), or
+# writes it through no operator (`apply_`, `map_`, `map2_` call Python on each element).
+_ESCAPES = frozenset({Tensor.numpy, Tensor.__array__, Tensor.data_ptr, Tensor.__dlpack__,
+                      Tensor.__cuda_array_interface__.__get__,
+                      Tensor.apply_, Tensor.map_, Tensor.map2_})
 
 
 class _WriteGuard(TorchDispatchMode):
     """Stops a run before any operator writes into one of `shared`'s storages (an argument
-    its schema marks as written, `out=` included), or hands one to NumPy or to a raw
-    pointer, which torch cannot watch."""
+    its schema marks as written, `out=` included), hands one to NumPy or to a raw pointer,
+    which torch cannot watch, or writes one through no operator (`apply_`)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -571,10 +657,11 @@ def _synchronize(dev: torch.device) -> None:
 
 
 def difference(a: object, b: object) -> float | None:
-    """The largest absolute difference between two results (tensors, numbers, or matching
-    lists, tuples and dicts of them); None when they cannot be compared (meta, shapes).
-    NaN in the same places on both is no difference; NaN where the other has a number
-    makes the difference NaN."""
+    """The largest absolute difference between two results (tensors, numbers, NumPy arrays
+    and scalars, or matching lists, tuples and dicts of them); None when they cannot be
+    compared (meta, shapes). NaN in the same places on both is no difference; NaN where the
+    other has a number makes the difference NaN."""
+    a, b = _from_numpy(a), _from_numpy(b)
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.is_meta or b.is_meta or a.shape != b.shape:
             return None
@@ -601,6 +688,19 @@ def difference(a: object, b: object) -> float | None:
     if len(known) < len(parts):
         return None
     return math.nan if any(map(math.isnan, known)) else max(known, default=0.0)
+
+
+def _from_numpy(value: object) -> object:
+    """A NumPy scalar as the Python number it holds, a NumPy array of numbers as a tensor
+    (compared as tensors are); anything else as it is."""
+    np = sys.modules.get("numpy")  # not imported: no result of the cell is NumPy's
+    if np is None or not isinstance(value, (np.ndarray, np.generic)):
+        return value
+    if value.dtype.kind not in "biufc":  # strings, objects, dates: not numbers
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    return torch.tensor(np.ascontiguousarray(value))  # torch takes no negative strides
 
 
 def _diff_text(diff: float | None) -> str:

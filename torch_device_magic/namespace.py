@@ -184,12 +184,6 @@ def holds_tensors(obj: object) -> bool:
     return any(isinstance(item, _HOLDS) for item in _reached([obj], _HOLDS))
 
 
-def generators(objs: Iterable[object]) -> list[torch.Generator]:
-    """The `torch.Generator`s that `objs` reach through containers and attributes (a
-    DataLoader's, its sampler's), each once, looking at WALK_LIMIT objects at most."""
-    return found_in(objs, torch.Generator)
-
-
 def found_in(objs: Iterable[object], *kinds: type[_T]) -> list[_T]:
     """The objects of `kinds` that `objs` reach through containers and attributes, not
     entering them, nor tensors, modules and optimizers; each once, WALK_LIMIT at most."""

@@ -24,7 +24,8 @@ class TorchDeviceCompareMagics(MagicsGroup):
     @argument(
         "devices",
         nargs="*",
-        help="two or more devices, the first being the reference: cpu cuda, cuda:0 cuda:1, cpu mps",
+        help="two or more devices, the first (not meta) being the reference: cpu cuda, cuda:0 "
+        "cuda:1, cpu mps",
     )
     @argument("-n", dest="runs", type=int, default=5, help="timed runs per device (default 5)")
     @argument("--warmup", type=int, default=1, help="untimed runs per device first (default 1)")
@@ -58,17 +59,23 @@ class TorchDeviceCompareMagics(MagicsGroup):
         Tensors are copied straight to the device; one already there is shared
         unless the first warm-up, run under a guard that stops it before any
         write into it, shows the cell writes it (then it is copied; --warmup 0
-        copies everything). Copies that do not fit in the free memory are
-        refused in one line; each device's are freed before the next device's.
-        Afterwards the namespace is exactly as before: nothing the cell bound
-        or changed stays, and the random state of the CPU, the devices and
-        your own generators the cell reaches is as it was. Times are wall times with the
+        copies everything; a write torch's version counters do not see, through
+        .data, a storage or a raw pointer, in a later run only, stops it, saying
+        so). Copies that do not fit in the free memory are refused in one line;
+        each device's are freed before the next device's. Afterwards the
+        namespace is exactly as before: nothing the cell bound or changed stays,
+        and the random state of the CPU, the devices, Python's `random`,
+        NumPy's and your own generators the cell reaches is as it was; each
+        device's runs start from the same states. Times are wall times with the
         device synchronised; the difference is the largest absolute difference
-        between the devices' values of the cell's last expression (tensors, or
-        lists, tuples and dicts of them): NaN in the same places is equal, NaN
-        against a number reads "NaN in different places", meta is "not
-        comparable". `cpu` and `cpu:0` are one device. `-o` returns a Comparison
-        (devices: median_s, min_s, max_s, speedup, max_abs_diff).
+        between the devices' values of the cell's last expression (tensors,
+        numbers, NumPy arrays and scalars, or lists, tuples and dicts of them):
+        NaN in the same places is equal, NaN against a number reads "NaN in
+        different places", meta is "not comparable". meta computes nothing, so
+        it cannot come first (the reference); its times read no speed-up.
+        One device named twice is refused, however spelled (`cpu cpu:0`,
+        `cuda cuda:0` where cuda:0 is the current one). `-o` returns a
+        Comparison (devices: median_s, min_s, max_s, speedup, max_abs_diff).
         """
         __tracebackhide__ = True
         args = parse(self.devcompare, line)

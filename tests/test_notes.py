@@ -429,7 +429,9 @@ def test_memory_held_by_an_idle_gpu_says_so(shell, capsys, monkeypatch, short_ce
     gpu(shell, monkeypatch)
     run(shell, "machine.allocate(0, 8 * 2**30)")
     capsys.readouterr()
-    run(shell, "machine.run(0, 5); machine.sample(0, [0, 3, 0])")
+    # kernels of 50 ms: the report reads NVML's samples from the cell's start as its end
+    # less its wall, so a busy machine's delay before the report must not pass the samples
+    run(shell, "machine.run(0, 50); machine.sample(0, [0, 3, 0])")
     assert lines_after_report(capsys.readouterr().out) == [
         "cuda:0 held 8.0 GiB and was busy 1% of the cell: the GPU waited, on input or on "
         "Python; %%profile shows where"

@@ -66,12 +66,12 @@ def test_it_is_torch_accelerators_current_accelerator(tdmdev):
 
 def test_allocator_counts_up_down_and_resets_its_peak(tdmdev):
     gc.collect()
-    start = allocated()
+    start, other = allocated(), allocated(D1)  # an earlier test's shell may hold some of D1
     x = torch.empty(100 * KIB, dtype=torch.uint8, device=D0)
     assert allocated() - start == 100 * KIB
     assert torch.accelerator.memory_reserved(D0) >= allocated()
     assert torch.accelerator.max_memory_allocated(D0) >= start + 100 * KIB
-    assert allocated(D1) == 0  # counted on its own device only
+    assert allocated(D1) == other  # counted on its own device only
     del x
     assert allocated() == start
     torch.accelerator.reset_peak_memory_stats(D0)

@@ -414,6 +414,14 @@ class _Plan:
             if i not in grouped and i not in special and _extent(t) < t.nbytes:
                 self.shared[i] = [i]
 
+    def storages(self) -> dict[str, dict[int, int]]:
+        """The storage of each tensor a name reaches first (by the tensor's id), by name."""
+        found: dict[str, dict[int, int]] = {}
+        for name, first, last in self.names:
+            tensors = self.tensors[first:last]
+            found[name] = dict(zip(map(id, tensors), map(storage_key, tensors)))
+        return found
+
     def _count_shared(self, storages: list[int]) -> None:
         """Note the bytes each name reaches that an earlier name reached first (the same
         tensor, or one sharing its storage): counted there, and said so (`counted_under`)."""
@@ -491,19 +499,24 @@ def _plan_move(
     planned = set(names)
     probe = _Plan.to(device)  # what each other name holds
     probe.walk(ns, [n for n in others if n in ns and n not in planned])
-    holds = {
-        name: set(map(storage_key, probe.tensors[first:last]))
-        for name, first, last in probe.names
-    }
+    holds = probe.storages()
     del probe
     joined: list[str] = []
-    while found := [name for name, keys in holds.items() if not keys.isdisjoint(plan.outside)]:
-        for name in found:  # and what they share with still others, in turn
+    while True:
+        ids = set(map(id, plan.tensors))  # (a name holding a planned tensor itself need not)
+        shares = plan.outside.__contains__
+        more = [
+            name
+            for name, held in holds.items()
+            if any(shares(key) for i, key in held.items() if i not in ids)
+        ]
+        if not more:
+            return plan, joined
+        for name in more:  # and what they share with still others, in turn
             del holds[name]
-        joined += found
+        joined += more
         plan = _Plan.to(device)
         plan.walk(ns, [*names, *_ordered(ns, joined)])  # counted under those asked for first
-    return plan, joined
 
 
 def _ordered(ns: dict, names: Iterable[str]) -> list[str]:

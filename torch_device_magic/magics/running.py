@@ -221,7 +221,7 @@ class TorchDeviceRunMagics(MagicsGroup):
         moved, failed, hold = None, False, moving.SigintHold()
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
-                                keep_data=True, others=self._all_names())
+                                keep_data=True, others=self._all_names)
             # A Ctrl-C once the move was done goes to the SIGINT handler now, inside the
             # try: if it raises (Python's does), what moved is restored below.
             moving.deliver(moved)

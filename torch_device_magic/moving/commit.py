@@ -56,12 +56,13 @@ def move(
     *,
     restorable: bool = False,
     keep_data: bool = False,
-    others: Iterable[str] = (),
+    others: Callable[[], Iterable[str]] | None = None,
 ) -> MoveResult:
     """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`).
     With `keep_data` (the user's own objects, not copies), a move to meta that would drop
     data with no way back (not `restorable`) is refused before anything changes. Each of
-    `others` (the namespace's other names) that holds a tensor sharing storage with what
+    the names `others()` gives (the namespace's other names; called only where a planned
+    storage has users the move has not) that holds a tensor sharing storage with what
     moves (a view's base, a view, a `detach`ed alias) moves too, and the result says so
     (`joined`): a storage moves once, with everything that sees it.
 

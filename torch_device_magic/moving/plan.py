@@ -8,7 +8,7 @@ import itertools
 import math
 import operator
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -482,11 +482,14 @@ class _Plan:
 
 
 def _plan_move(
-    ns: dict, names: Iterable[str], device: torch.device, others: Iterable[str] = ()
+    ns: dict,
+    names: Iterable[str],
+    device: torch.device,
+    others: Callable[[], Iterable[str]] | None = None,
 ) -> tuple[_Plan, list[str]]:
-    """The plan that moves what `names` hold to `device`, with the names among `others` that
-    hold a tensor sharing storage with it (a base, a view, a `detach`ed alias), so that the
-    storage moves once with everything that sees it; and those names, in `others`' order.
+    """The plan that moves what `names` hold to `device`, with the names among `others()`
+    that hold a tensor sharing storage with it (a base, a view, a `detach`ed alias), so that
+    the storage moves once with everything that sees it; and those names, in their order.
 
     The names are taken in alphabetical order but those bound to an optimizer last, those of
     `others` after those of `names` (what is found twice counts under the first name that
@@ -494,11 +497,11 @@ def _plan_move(
     names = _ordered(ns, names)
     plan = _Plan.to(device)
     plan.walk(ns, names)
-    if not plan.outside:
+    if not plan.outside or others is None:
         return plan, []
     planned = set(names)
     probe = _Plan.to(device)  # what each other name holds
-    probe.walk(ns, [n for n in others if n in ns and n not in planned])
+    probe.walk(ns, [n for n in others() if n in ns and n not in planned])
     holds = probe.storages()
     del probe
     joined: list[str] = []

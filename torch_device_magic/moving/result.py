@@ -34,7 +34,7 @@ class MoveResult:
     # Bytes a name holds that are counted under another (a model's parameters, which its
     # optimizer holds too): one line each.
     counted_under: list[str] = field(default_factory=list)
-    # The names that moved, though not asked for, as they share storage with what was
+    # The names that moved, though not asked for, as they share storage with what was asked
     joined: list[str] = field(default_factory=list)
 
     @property

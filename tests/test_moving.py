@@ -242,6 +242,16 @@ def test_a_view_named_alone_moves_without_its_base(target):
         assert result.nbytes == 40  # only the view's elements, not the whole storage
 
 
+def test_the_names_that_share_a_moved_storage_move_with_it_once_on_meta():
+    base = torch.arange(12.0)
+    view, alias, other = base[4:8], base.detach(), torch.ones(2)
+    ns = {"base": base, "view": view, "alias": alias, "other": other}
+    result = move(ns, ["view"], META, others=lambda: list(ns))
+    assert base.device == alias.device == view.device == META and other.device == CPU
+    assert sorted(result.joined) == ["alias", "base"] and result.nbytes == 48
+    assert view._base is base and storage(view) == storage(base) == storage(alias)
+
+
 def test_views_of_a_shared_span_rebuild_at_their_offsets_on_meta():
     base = torch.arange(10, dtype=torch.float64)
     a, b = base[3:5], base[7:]

@@ -53,7 +53,7 @@ def state(ip):
 
 def test_the_cell_moves_what_it_names_and_runs_there(ip, ns):
     ip.run_cell("%%ondevice meta\nout = model(x[:3])\nmade = torch.zeros(1)")
-    assert ns["x"].device == META and ns["view"].device.type == "cpu"  # the cell names no view
+    assert ns["x"].device == META and ns["view"].device == META  # x's view: its storage's
     assert ns["model"].weight.device == META and ns["out"].device == META
     assert ns["made"].device == META
     assert ns["bystander"].device.type == "cpu"
@@ -144,6 +144,8 @@ def test_restore_from_meta_gives_back_a_loss_the_cell_only_read(ip, ns):
 
 
 def test_verbose_says_what_moved_and_what_could_not_follow(ip, ns, capsys):
+    ip.run_cell("held = (lambda v: lambda: v)(x[:2])")  # a view no name of the notebook holds
+    capsys.readouterr()
     ip.run_cell("%%ondevice meta -v\nx.sum()")
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("moved 16 B to meta in ")
@@ -609,3 +611,100 @@ def test_tensors_named_only_in_ipython_syntax_are_said_not_moved(ip, ns, capsys)
     out = [line for line in capsys.readouterr().out.splitlines() if "%%ondevice" in line]
     assert out == ["%%ondevice: x holds tensors the cell names only in IPython syntax that "
                    "is not Python (a !command, a %magic's argument), so not moved to meta"]
+
+
+# --- what shares a storage moves with it, once -----------------------------------
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def moved_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("moved "))
+
+
+@pytest.mark.parametrize("restore", [False, True])
+def test_a_view_moves_with_its_base_and_the_write_through_it_is_the_bases(
+    ip, tdmdev, capsys, restore
+):
+    ip.run_cell("base = torch.arange(12.).reshape(3, 4)\nview = base[1]")
+    capsys.readouterr()
+    ip.run_cell(f"%%ondevice tdmdev -v{' --restore' * restore}\nview.mul_(2)")  # names view only
+    out = capsys.readouterr().out
+    base, view = ip.user_ns["base"], ip.user_ns["view"]
+    assert moved_line(out).startswith("moved 48 B to tdmdev:0")  # the storage, once
+    assert "moved too, as it shares storage with what the cell uses: base" in out
+    assert {base.device.type, view.device.type} == {"cpu" if restore else "tdmdev"}
+    assert base[1].tolist() == [8.0, 10.0, 12.0, 14.0] and view.tolist() == base[1].tolist()
+    assert storage(view) == storage(base) and view.data_ptr() - base.data_ptr() == 16
+    assert view._base is base._base is not None  # still views of one base: one version counter
+    base.add_(1)
+    assert view.tolist() == [9.0, 11.0, 13.0, 15.0] and view._version == base._version
+
+
+def test_what_shares_a_storage_moves_with_it_parameters_aliases_and_optimizer_state(
+    ip, tdmdev, capsys
+):
+    ip.run_cell(
+        "model = torch.nn.Linear(4, 3)\nw0 = model.weight[0]\n"
+        "opt = torch.optim.Adam(model.parameters())\n"
+        "model(torch.ones(1, 4)).sum().backward()\nopt.step()\n"
+        "avg = opt.state[model.weight]['exp_avg'][:1]\n"  # the optimizer's state, viewed
+        "a = torch.ones(3, requires_grad=True)\nd = a.detach()"
+    )
+    ns = ip.user_ns
+    weight = ns["model"].weight
+    ip.run_cell("%%ondevice tdmdev\ns = w0.sum()")  # a view of a module's parameter
+    assert ns["model"].weight is weight and weight.device.type == "tdmdev"
+    assert ns["w0"]._base is weight and storage(ns["w0"]) == storage(weight)
+    ip.run_cell("%%ondevice tdmdev --restore\nd.mul_(2)")  # a detached alias of a leaf
+    a = ns["a"]
+    assert a.tolist() == [2.0, 2.0, 2.0] and a.device.type == "cpu"
+    assert a.is_leaf and a.requires_grad and storage(a) == storage(ns["d"])
+    before = ns["avg"].clone()
+    ip.run_cell("%%ondevice tdmdev --restore\nmodel(torch.ones(1, 4)).sum().backward()\n"
+                "opt.step()")
+    exp_avg = ns["opt"].state[weight]["exp_avg"]
+    assert ns["avg"].device.type == "cpu" and storage(ns["avg"]) == storage(exp_avg)
+    assert torch.equal(ns["avg"], exp_avg[:1]) and not torch.equal(ns["avg"], before)
+
+
+@pytest.mark.parametrize("line", ["%%ondevice tdmdev --all\npass", "%device tdmdev --move"])
+def test_moving_every_name_keeps_views_views_of_their_base(ip, tdmdev, line):
+    ip.run_cell("base = torch.arange(12.).reshape(3, 4)\nview = base[1]")
+    ip.run_cell(line)
+    base, view = ip.user_ns["base"], ip.user_ns["view"]
+    assert view.device.type == "tdmdev" and storage(view) == storage(base)
+    assert view._base is base._base is not None
+    ip.run_cell("%device reset --move")
+    assert view.device.type == "cpu" and view._base is base._base is not None
+
+
+def test_overlapping_views_move_as_their_storage_and_stay_views(ip, tdmdev, capsys):
+    ip.run_cell(
+        "sig = torch.arange(1000.)\nwin = sig.unfold(0, 256, 1)\n"  # 745 windows of 4,000 B
+        "pe = torch.arange(64.).reshape(64, 1).clone()\npos = pe.expand(512, 64, 32)"
+    )
+    capsys.readouterr()
+    ip.run_cell("%%ondevice tdmdev --restore -v\n"  # names neither sig nor pe
+                "seen = [t.untyped_storage().nbytes() for t in (win, pos)]\n"
+                "total = win.sum() + pos.sum()")
+    ns = ip.user_ns
+    assert moved_line(capsys.readouterr().out).startswith("moved 4.2 KiB to tdmdev:0")
+    assert ns["seen"] == [4000, 256]  # on the device too: views of the one storage
+    win, pos = ns["win"], ns["pos"]
+    assert win._base is ns["sig"] and pos._base is ns["pe"] and win.device.type == "cpu"
+    assert win.stride() == (1, 1) and pos.stride() == (0, 1, 0)
+    assert ns["total"].item() == win.sum().item() + pos.sum().item()
+
+
+def test_an_overlapping_view_alone_moves_its_storage_not_its_elements(ip, tdmdev, capsys):
+    ip.run_cell("win = torch.arange(1000.).unfold(0, 256, 1)")  # its base has no name
+    capsys.readouterr()
+    ip.run_cell("%%ondevice tdmdev --restore -v\nn = win.untyped_storage().nbytes()")
+    ns = ip.user_ns
+    assert moved_line(capsys.readouterr().out).startswith("moved 3.9 KiB to tdmdev:0")
+    assert ns["n"] == 4000 and ns["win"].untyped_storage().nbytes() == 4000
+    assert ns["win"].stride() == (1, 1) and ns["win"]._base is not None
+    assert torch.equal(ns["win"], torch.arange(1000.).unfold(0, 256, 1))

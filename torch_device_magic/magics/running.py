@@ -174,12 +174,15 @@ class TorchDeviceRunMagics(MagicsGroup):
         - Moved objects keep their identity: their tensors are swapped in
           place, so a name, a list entry, a weak reference, a module attribute
           and an optimizer that held the same tensor still do, with its
-          autograd hooks and lazy conj/neg bits. Where a view the cell does not
-          name or an earlier autograd graph holds a tensor, that one gets
-          `.data` (to or from meta: they keep the old tensor, and a backward
-          through such a graph fails, saying why); -v lists them. A tensor with
-          an autograd history arrives detached from it. A view moved with its
-          base stays its view (one storage, one version counter).
+          autograd hooks and lazy conj/neg bits. A name of yours that shares a
+          moved storage (a view's base, a view, a detached alias, a model whose
+          parameter is viewed) moves with it, once, and -v names it; an
+          expanded or unfolded view moves as its storage's bytes. Where a view
+          no name of yours reaches or an earlier autograd graph holds a tensor,
+          that one gets `.data` (to or from meta: they keep the old tensor, and
+          a backward through such a graph fails, saying why); -v lists them. A
+          tensor with an autograd history arrives detached from it. A view
+          moved with its base stays its view (one storage, one version counter).
         - Tensor subclasses that keep their data in Python attributes (jagged
           nested tensors, MaskedTensor, `__tensor_flatten__` wrappers) move
           through their own `.to`; one whose `.to` leaves data behind is
@@ -233,7 +236,7 @@ class TorchDeviceRunMagics(MagicsGroup):
         moved, failed, hold = None, False, moving.SigintHold()
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
-                                keep_data=True)
+                                keep_data=True, others=self._all_names)
             # A Ctrl-C once the move was done goes to the SIGINT handler now, inside the
             # try: if it raises (Python's does), what moved is restored below.
             moving.deliver(moved)

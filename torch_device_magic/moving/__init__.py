@@ -19,11 +19,15 @@ The phases:
    each, memoised by `id`; at most `WALK_LIMIT` other objects a name, as
    `%tensors` does; an object that raises when read is skipped; the result
    names both) and group the tensors by storage, which also finds a tensor
-   reached twice: it is planned once.
+   reached twice: it is planned once. Where a planned storage has users the
+   plan has not (its use count says so, a view's base that only its views
+   hold aside), the namespace's other names (`others`) are walked, and those
+   that hold one join the move, so that a storage moves with all that see it.
 2. *Copy*: one copy per storage (a singleton with `.to`, a shared storage as
    one span of bytes from which every tensor of the group is rebuilt with its
    own offset, sizes and strides, so views keep sharing storage, and its lazy
-   conjugate and negative bits). On failure
+   conjugate and negative bits; a view that overlaps itself, `expand`ed or
+   `unfold`ed, is copied so too, alone). On failure
    the copies are dropped and a `DeviceMagicError` is raised from a frame that
    holds none of them (a traceback keeps its frames' tensors alive,
    pytorch#27600).

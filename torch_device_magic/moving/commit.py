@@ -25,7 +25,17 @@ from ..errors import DeviceMagicError, first_sentence
 from ..tensors import children, is_container
 from ..units import fmt_bytes
 from .copy import _copy_all, _failure, _inference
-from .plan import _IS_META, _REBINDABLE, _canonical, _first_target, _label, _pick, _Plan
+from .plan import (
+    _IS_META,
+    _REBINDABLE,
+    UNHELD,
+    _canonical,
+    _first_target,
+    _label,
+    _pick,
+    _Plan,
+    _plan_move,
+)
 from .result import MoveResult, _Undo
 
 _log = logging.getLogger(__name__)
@@ -34,7 +44,7 @@ _swap_impl: Callable[[Tensor, Tensor], None] | None = getattr(
 )  # torch >= 2.3
 _USE_COUNT: Callable[[Tensor], int] = Tensor._use_count  # type: ignore[attr-defined]  # unstubbed
 # What `sys.getrefcount` reads, in a `map` over the plan's list, for a tensor with one holder.
-_HELD_ONCE = next(map(sys.getrefcount, [object()])) + 1
+_HELD_ONCE = UNHELD + 1
 _PLAIN_REFERENTS = len(gc.get_referents(torch.empty(0)))  # a tensor without attributes
 _MISSING = object()
 
@@ -46,20 +56,23 @@ def move(
     *,
     restorable: bool = False,
     keep_data: bool = False,
+    others: Callable[[], Iterable[str]] | None = None,
 ) -> MoveResult:
     """Move to `device` what `names` hold in `ns`, all or nothing (`restorable`: for `restore`).
     With `keep_data` (the user's own objects, not copies), a move to meta that would drop
-    data with no way back (not `restorable`) is refused before anything changes.
+    data with no way back (not `restorable`) is refused before anything changes. Each of
+    the names `others()` gives (the namespace's other names; called only where a planned
+    storage has users the move has not) that holds a tensor sharing storage with what
+    moves (a view's base, a view, a `detach`ed alias) moves too, and the result says so
+    (`joined`): a storage moves once, with everything that sees it.
 
     Each tensor's bytes count once, under the first name that reaches it, taking the names
     in alphabetical order but those bound to an optimizer last: a model's parameters count
     under the model, an optimizer's under it only where no name of a model reaches them.
     The result says what a name holds that is counted under another (`counted_under`)."""
     device = _canonical(device)
-    names = sorted(n for n in names if n in ns)
-    names.sort(key=lambda n: isinstance(ns[n], torch.optim.Optimizer))  # stable
-    plan = _Plan.to(device)
-    plan.walk(ns, names)
+    plan, joined = _plan_move(ns, names, device, others)
+    names = [name for name, _, _ in plan.names]
     if keep_data and not restorable and device.type == "meta":
         _refuse_dropping_data(plan)
     undo = None
@@ -69,7 +82,9 @@ def move(
             undo.originals = []
             undo.optimizer_state, undo.values = plan.optimizer_snapshots()
             undo.bindings = {name: ns[name] for name in names}
-    return _execute(plan, ns, device, undo)
+    result = _execute(plan, ns, device, undo)
+    result.joined = joined
+    return result
 
 
 def _refuse_dropping_data(plan: _Plan) -> None:

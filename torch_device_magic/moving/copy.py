@@ -14,7 +14,6 @@ from torch import Tensor
 
 from .. import probes
 from ..errors import first_sentence
-from ..tensors import stored_bytes
 from ..units import fmt_bytes
 from .plan import _PLAIN_TENSORS, _first_target, _label, _Plan, _span
 
@@ -104,12 +103,24 @@ def _copy_storage(plan: _Plan, members: list[int], spans: dict[int, Tensor]) -> 
         if t._base is None and not (t.is_conj() or t.is_neg())
     }
     views = []  # a view of a tensor of the group: made a view of its base's copy, below
+    # A view of a base the group has not (one that lives only in its views, `x[::2]` of a
+    # temporary): made a view of a new base over the whole copy, one a base, as it was.
+    unplanned: dict[tuple[int, torch.dtype], Tensor] = {}
     for t, j in zip(group, members, strict=True):
         if id(t._base) in bases:
             views.append((t, j))
             continue
+        offset = t.storage_offset() - lo // t.element_size()
+        if t._base is not None:
+            flat = unplanned.get((id(t._base), t.dtype))
+            if flat is None:
+                flat = torch.empty(0, dtype=t.dtype, device=target)
+                flat.set_(storage, 0, (n // t.element_size(),), (1,))
+                unplanned[id(t._base), t.dtype] = flat
+            spans[j] = _lazy_bits(t, flat.as_strided(t.size(), t.stride(), offset))
+            continue
         new = torch.empty(0, dtype=t.dtype, device=target)
-        new.set_(storage, t.storage_offset() - lo // t.element_size(), t.size(), t.stride())
+        new.set_(storage, offset, t.size(), t.stride())
         spans[j] = _lazy_bits(t, new)
     for t, j in views:
         # So that, once swapped, `t._base` is its base's object, and they share the version
@@ -176,7 +187,7 @@ def _host_metadata(t: Tensor, name: str) -> bool:
 def _failure(plan: _Plan, members: list[int], target, exc: Exception | None) -> str:
     t = plan.tensors[members[0]]
     what = _label(plan.where(members[0]))
-    size = fmt_bytes(sum(stored_bytes(plan.tensors[j]) for j in members))
+    size = fmt_bytes(sum(plan.nbytes[j] for j in members))  # a shared storage's: once
     if exc is None or t.device.type == "meta":  # None: refused in the plan, for that
         reason = "it is on the meta device, which holds no data"
     elif isinstance(exc, _OOM) or "out of memory" in str(exc).lower():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 import operator
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -29,6 +31,7 @@ from .result import _Undo
 _ALIGN = 16  # the largest element size
 _NBYTES = operator.attrgetter("nbytes")
 _GRAD = operator.attrgetter("grad")
+_BASE = operator.attrgetter("_base")
 _IS_META = operator.attrgetter("is_meta")
 _DEVICE = operator.attrgetter("device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -39,6 +42,10 @@ _WALKABLE = dict.fromkeys((int, float, complex, bool, str, bytes, type(None)), F
 # The holders whose entries a move may rebind: their `__setitem__` runs no code of the user's.
 _REBINDABLE = PLAIN_MAPPINGS | {list}
 _PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
+# How many tensors share a storage (by `storage_id`): each holds it once.
+_STORAGE_USERS = getattr(torch._C, "_storage_Use_Count", None)
+# What `sys.getrefcount` reads, in a `map` over a list, for an object nothing else holds.
+UNHELD = next(map(sys.getrefcount, [object()]))
 
 
 class _Where(NamedTuple):
@@ -115,6 +122,9 @@ class _Plan:
         self.exact = 0  # how many were planned at once (`_all_tensors`): plain tensors
         self.budget = 0  # objects other than tensors the walk may still look at for this name
         self.counted_under: dict[tuple[str, str], int] = {}  # (name, earlier name): bytes
+        # The storages of planned tensors that tensors outside the plan share too (a base or
+        # a view under another name, a `detach`ed alias), by `storage_id`
+        self.outside: set[int] = set()
         self.walkable = dict(_WALKABLE)  # by type: whether the walk enters its objects
 
     @classmethod
@@ -366,12 +376,51 @@ class _Plan:
                 j = first.setdefault(key, i)
                 if j != i:
                     self.shared.setdefault(j, [j]).append(i)
+        if stored and _STORAGE_USERS is not None:
+            users = list(map(_STORAGE_USERS, keys))
+            if operator.countOf(users, 1) < len(users):  # (in C: the hot case stops here)
+                self._views(keys, users)
         tensors = self.tensors
         self.nbytes = list(map(_NBYTES if stored else stored_bytes, tensors))
         for j, members in self.shared.items():
             self.nbytes[j] = _span([tensors[i] for i in members])[1]
             for i in members[1:]:
                 self.nbytes[i] = 0
+
+    def _views(self, keys: list[int], users: list[int]) -> None:
+        """Given each planned tensor's storage (`keys`) and how many tensors use it (`users`),
+        note the storages that tensors outside the plan use too (`outside`), and copy as a
+        span of its storage a tensor that overlaps itself (an `expand`ed or `unfold`ed view:
+        copied out it would take many times its storage)."""
+        tensors = self.tensors
+        many = [i for i, n in enumerate(users) if n > 1]
+        planned = collections.Counter(keys[i] for i in many)
+        ids = {id(tensors[i]) for i in many}
+        # The views' bases that the plan has not, by id, held by this dict alone
+        bases = {
+            id(b): b for b in map(_BASE, _pick(tensors, many)) if b is not None and id(b) not in ids
+        }
+        # A base that no Python object holds lives only in its views: not outside
+        held = map(sys.getrefcount, bases.values())
+        for key, refs in zip(map(storage_id, bases.values()), held):
+            if refs == UNHELD:
+                planned[key] += 1
+        bases.clear()
+        self.outside = {keys[i] for i in many if users[i] > planned[keys[i]]}
+        grouped = set(itertools.chain.from_iterable(self.shared.values()))
+        special = set(self.special)
+        for i in many:
+            t = tensors[i]
+            if i not in grouped and i not in special and _extent(t) < t.nbytes:
+                self.shared[i] = [i]
+
+    def storages(self) -> dict[str, dict[int, int]]:
+        """The storage of each tensor a name reaches first (by the tensor's id), by name."""
+        found: dict[str, dict[int, int]] = {}
+        for name, first, last in self.names:
+            tensors = self.tensors[first:last]
+            found[name] = dict(zip(map(id, tensors), map(storage_key, tensors)))
+        return found
 
     def _count_shared(self, storages: list[int]) -> None:
         """Note the bytes each name reaches that an earlier name reached first (the same
@@ -385,7 +434,7 @@ class _Plan:
             if owner[j] != owner[i]:
                 pair = owner[i], owner[j]
                 self.counted_under[pair] = (
-                    self.counted_under.get(pair, 0) + stored_bytes(self.tensors[i])
+                    self.counted_under.get(pair, 0) + _held_bytes(self.tensors[i])
                 )
 
     def counted_notes(self) -> list[str]:
@@ -432,6 +481,54 @@ class _Plan:
         return mappings, values
 
 
+def _plan_move(
+    ns: dict,
+    names: Iterable[str],
+    device: torch.device,
+    others: Callable[[], Iterable[str]] | None = None,
+) -> tuple[_Plan, list[str]]:
+    """The plan that moves what `names` hold to `device`, with the names among `others()`
+    that hold a tensor sharing storage with it (a base, a view, a `detach`ed alias), so that
+    the storage moves once with everything that sees it; and those names, in their order.
+
+    The names are taken in alphabetical order but those bound to an optimizer last, those of
+    `others` after those of `names` (what is found twice counts under the first name that
+    reaches it)."""
+    names = _ordered(ns, names)
+    plan = _Plan.to(device)
+    plan.walk(ns, names)
+    if not plan.outside or others is None:
+        return plan, []
+    planned = set(names)
+    probe = _Plan.to(device)  # what each other name holds
+    probe.walk(ns, [n for n in others() if n in ns and n not in planned])
+    holds = probe.storages()
+    del probe
+    joined: list[str] = []
+    while True:
+        ids = set(map(id, plan.tensors))  # (a name holding a planned tensor itself need not)
+        shares = plan.outside.__contains__
+        more = [
+            name
+            for name, held in holds.items()
+            if any(shares(key) for i, key in held.items() if i not in ids)
+        ]
+        if not more:
+            return plan, joined
+        for name in more:  # and what they share with still others, in turn
+            del holds[name]
+        joined += more
+        plan = _Plan.to(device)
+        plan.walk(ns, [*names, *_ordered(ns, joined)])  # counted under those asked for first
+
+
+def _ordered(ns: dict, names: Iterable[str]) -> list[str]:
+    """`names` in `ns`, in alphabetical order but those bound to an optimizer last."""
+    ordered = sorted(n for n in names if n in ns)
+    ordered.sort(key=lambda n: isinstance(ns[n], torch.optim.Optimizer))  # stable
+    return ordered
+
+
 class _Same:
     """The targets of a move that sends everything to one device, without a list."""
 
@@ -460,14 +557,26 @@ def _span(group: list[Tensor]) -> tuple[int, int]:
     lo: int | None = None
     hi = 0
     for t in group:
-        size = t.element_size()
-        start = int(t.storage_offset()) * size
-        extent = sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True)) + 1
+        start = int(t.storage_offset()) * t.element_size()
         lo = start if lo is None else min(lo, start)
-        hi = max(hi, start + extent * size if t.numel() else start)
+        hi = max(hi, start + _extent(t))
     assert lo is not None, "a group has tensors"
     lo = lo // _ALIGN * _ALIGN  # so that every dtype's offset from it stays whole
     return lo, hi - lo
+
+
+def _held_bytes(t: Tensor) -> int:
+    """The bytes of storage `t` reads: an `expand`ed view, fewer than its `nbytes`."""
+    return _extent(t) if t.layout == torch.strided else stored_bytes(t)
+
+
+def _extent(t: Tensor) -> int:
+    """The bytes from the first element of `t` to past its last, in its storage."""
+    if not t.numel():
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True)) + 1) * (
+        t.element_size()
+    )
 
 
 def _pick(column: list, at: Sequence[int]) -> list:

@@ -34,6 +34,8 @@ class MoveResult:
     # Bytes a name holds that are counted under another (a model's parameters, which its
     # optimizer holds too): one line each.
     counted_under: list[str] = field(default_factory=list)
+    # The names that moved, though not asked for, as they share storage with what was asked
+    joined: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +52,11 @@ class MoveResult:
             title = f"nothing to move to {self.device}"
         listed = [(name, fmt_bytes(n)) for name, n in self.names.items()] if rows else []
         notes = list(self.counted_under)
+        if self.joined:
+            notes.append(
+                f"moved too, as {'it shares' if len(self.joined) == 1 else 'they share'} "
+                f"storage with what the cell uses: {', '.join(self.joined)}"
+            )
         notes += [f"could not follow: {n}" for n in self.not_followed]
         notes += [f"not walked: {n}" for n in self.skipped]
         return Table(title, ("name", "bytes"), listed, notes)

@@ -175,6 +175,23 @@ def test_magic_lists_and_returns_rows(ip, capsys):
     assert [r.name for r in ip.user_ns["rows"]] == ["a", "v"]
 
 
+def test_a_models_slice_shares_its_weights_in_one_line(ip, capsys):
+    """Issue 36, point 20: `backbone = model[:-1]` of 51 layers shares 100 weights and
+    biases with `model`: one line for the pair, not one a weight."""
+    ip.run_cell("model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(51)])\n"
+                "backbone = model[:-1]\nhead = model[-1]\nx = torch.ones(256)\nv = x[:2]")
+    capsys.readouterr()
+    ip.run_cell("%tensors")
+    lines = capsys.readouterr().out.splitlines()
+    shared = [line for line in lines if " share " in line]
+    assert shared == [
+        "backbone, model share 100 storages (14.1 KiB, counted once)",  # 50 x (256 + 32 B)
+        "head, model share 2 storages (288 B, counted once)",
+        "v, x share one storage (1.0 KiB, counted once)",
+    ]
+    assert len(lines) < 15
+
+
 def test_report_renders_html_too():
     bundle = scan({"x": torch.zeros(2)})._repr_mimebundle_()
     html = bundle["text/html"]

@@ -154,10 +154,17 @@ def scan(
                 totals.setdefault(key[0], {})[key] = nbytes
         for key in f.held():
             owners.setdefault(key, []).append(row.name)
+    # one line per set of names sharing storage: a model's slice shares all its weights
+    together: dict[tuple[str, ...], list[int]] = {}  # names: [storages, bytes]
+    for key, names in owners.items():
+        if len(names) > 1:
+            counted = together.setdefault(tuple(names), [0, 0])
+            counted[0] += 1
+            counted[1] += totals[key[0]][key]
     shared = [
-        f"{', '.join(names)} share one storage ({fmt_bytes(totals[key[0]][key])}, counted once)"
-        for key, names in owners.items()
-        if len(names) > 1
+        f"{', '.join(names)} share {'one storage' if n == 1 else plural(n, 'storage')} "
+        f"({fmt_bytes(nbytes)}, counted once)"
+        for names, (n, nbytes) in together.items()
     ]
     return TensorsReport(
         rows=[row for row, _ in found],

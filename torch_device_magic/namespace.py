@@ -346,10 +346,10 @@ def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
             f.add(p, PARAM)
             if p.grad is not None:
                 f.add(p.grad, ASIDE)  # the model's row shows it
-            for key, value in opt.state.get(p, {}).items():
+            for value in opt.state.get(p, {}).values():
                 if not isinstance(value, Tensor):
                     continue
-                if key == "step":  # on the CPU on purpose unless capturable or fused
+                if _bookkeeping(value):
                     f.add(value, ASIDE)
                     continue
                 _tensor(value, STATE, f)
@@ -360,6 +360,14 @@ def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
             f"{name}: the {type(opt).__name__}'s state is on {state_dev} for parameters on "
             f"{param_dev} (%%ondevice moves an optimizer with its state)"
         )
+
+
+def _bookkeeping(state: Tensor) -> bool:
+    """A 0-dim state tensor on the CPU: the scalars torch's optimizers keep there on
+    purpose, whatever the parameters' device, unless capturable or fused (every one's
+    `step`, NAdam's `mu_product`; a kernel launch for each would cost more). A
+    per-parameter state (momentum, Adam's moments) has its parameter's shape."""
+    return state.dim() == 0 and state.device.type == "cpu"
 
 
 def _materialised(tensors: Iterable[Tensor]) -> list[Tensor]:

@@ -198,6 +198,20 @@ def test_gpufree_releases_the_last_traceback(ip, capsys):
     assert ip.user_ns["refs"][0]() is None
 
 
+def test_the_activations_a_locals_graph_saved_are_the_tracebacks(ip, capsys):
+    """A failing function's local prediction keeps its graph's activations (exp's output,
+    saved for `* w`): the traceback's, and %gpufree gives them back."""
+    cell(ip, f"import weakref\nw = torch.ones({MIB}, requires_grad=True)\nrefs = []\n"
+             "def f():\n    act = w.exp()\n    refs.append(weakref.ref(act))\n"
+             "    out = act * w\n    del act\n    raise ValueError('boom')")
+    fail(ip, "f()")
+    assert hidden(ip)["the last traceback"].nbytes == {"cpu": 8 * MIB}
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.startswith("released the last traceback 8.0 MiB; ")
+    assert ip.user_ns["refs"][0]() is None
+
+
 def test_gpufree_leaves_the_users_graphs_and_state_and_names_the_graphs(ip, capsys):
     cell(ip, "x = torch.randn(64, 64, requires_grad=True)\nloss = x.exp().sum()")
     capsys.readouterr()

@@ -198,6 +198,20 @@ def test_gpufree_releases_the_last_traceback(ip, capsys):
     assert ip.user_ns["refs"][0]() is None
 
 
+def test_the_activations_a_locals_graph_saved_are_the_tracebacks(ip, capsys):
+    """A failing function's local prediction keeps its graph's activations (exp's output,
+    saved for `* w`): the traceback's, and %gpufree gives them back."""
+    cell(ip, f"import weakref\nw = torch.ones({MIB}, requires_grad=True)\nrefs = []\n"
+             "def f():\n    act = w.exp()\n    refs.append(weakref.ref(act))\n"
+             "    out = act * w\n    del act\n    raise ValueError('boom')")
+    fail(ip, "f()")
+    assert hidden(ip)["the last traceback"].nbytes == {"cpu": 8 * MIB}
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.startswith("released the last traceback 8.0 MiB; ")
+    assert ip.user_ns["refs"][0]() is None
+
+
 def test_gpufree_leaves_the_users_graphs_and_state_and_names_the_graphs(ip, capsys):
     cell(ip, "x = torch.randn(64, 64, requires_grad=True)\nloss = x.exp().sum()")
     capsys.readouterr()
@@ -433,6 +447,40 @@ def test_every_ipython_reference_to_a_result_is_a_holder(ip):
     cell(ip, f"del Out[{shown}]")
     assert list(hidden(ip)) == [f"_{shown}"]
     assert hidden(ip)[f"_{shown}"].nbytes == {"cpu": 4 * MIB}
+    assert hidden(ip)[f"_{shown}"].fix == "%gpufree (_ holds it too)"
+
+
+@pytest.mark.parametrize(("result", "nbytes"), [
+    ("w.sigmoid()", 4 * MIB), ("w.exp() * w", 8 * MIB), (f"torch.ones({2 * MIB})[::2]", 8 * MIB),
+    ("w.exp()[::2]", 4 * MIB),
+])
+def test_what_only_a_results_cpp_holds_is_the_results_and_gpufree_frees_it(
+    ip, capsys, result, nbytes
+):
+    """Issue 36, point 8: a displayed result whose graph saved the result itself (sigmoid
+    saves its output) or an activation (exp's, for `* w`), or a view whose base only it
+    keeps, is IPython's to hold, `_n` alone after `del Out[n]`; %gpufree lets go of it
+    and the memory comes back."""
+    cell(ip, f"import weakref\nw = torch.ones({MIB}, requires_grad=True)")
+    shown = cell(ip, result).execution_count
+    cell(ip, f"ref = weakref.ref(_{shown})\ndel Out[{shown}]")
+    found = hidden(ip)
+    assert list(found) == [f"_{shown}"] and found[f"_{shown}"].nbytes == {"cpu": nbytes}
+    capsys.readouterr()
+    ip.run_line_magic("gpufree", "")
+    assert capsys.readouterr().out.startswith(f"released _{shown} {nbytes // MIB}.0 MiB; ")
+    assert ip.user_ns["ref"]() is None and hidden(ip) == {}
+
+
+def test_a_results_graph_that_a_name_also_holds_is_not_the_results(ip):
+    """The activations a user's `loss` keeps through the same graph are the loss's."""
+    cell(ip, f"w = torch.ones({MIB}, requires_grad=True)\nh = w.exp()\nloss = h.sum()")
+    shown = cell(ip, "h * w").execution_count
+    cell(ip, "del h")
+    found = hidden(ip)
+    assert set(found) == {f"Out[{shown}]", "loss's autograd graph"}
+    assert found["loss's autograd graph"].nbytes == {"cpu": 4 * MIB}  # exp's output: once
+    assert found[f"Out[{shown}]"].nbytes == {"cpu": 4 * MIB}  # the product alone
 
 
 def test_the_results_ipython_keeps_as_double_and_triple_underscore_are_holders(ip):

@@ -72,11 +72,37 @@ def test_a_large_displayed_tensor_says_out_keeps_it(ip, capsys, small):
     capsys.readouterr()
     n = run(ip, "torch.zeros(4 * 2**20)").execution_count  # 16 MiB that no name holds
     out = capsys.readouterr().out
-    expected = f"Out[{n}] keeps 16.0 MiB on cpu: end the line with ';', or %gpufree lets go of it"
+    expected = (f"Out[{n}] keeps 16.0 MiB on cpu, and _{n} and _ hold it too: %gpufree lets "
+                "go of them all (or end the line with ';')")
     assert lines_after_report(out) == [expected]
     note = last(ip).notes[0]
     assert (note.rule, note.figure, note.where) == ("displayed", 16 * MiB, f"Out[{n}]")
     assert ip.user_ns["Out"][n] is ip.user_ns["_"]  # the note changed nothing
+
+
+@pytest.mark.parametrize("result", ["torch.zeros(4 * 2**20)", "w.sigmoid()", "w.exp() * w"])
+def test_following_the_displayed_notes_fix_frees_the_result(ip, capsys, small, result):
+    """Issue 36, point 8: the note names what holds the result (`del Out[n]` alone frees
+    nothing) and its fix, followed, frees it: a result whose own graph saved it
+    (`sigmoid`), or saved activations (`exp` before `* w`), as a plain one."""
+    run(ip, "import weakref\nw = torch.ones(4 * 2**20, requires_grad=True)\n"
+            "def watched(t):\n    global ref\n    ref = weakref.ref(t)\n    return t")
+    capsys.readouterr()
+    n = run(ip, f"watched({result})").execution_count
+    note = lines_after_report(capsys.readouterr().out)
+    assert note[0].startswith(f"Out[{n}] keeps ") and f"_{n} and _ hold it too: %gpufree" in note[0]
+    run(ip, f"del Out[{n}]")
+    assert ip.user_ns["ref"]() is not None  # as the note says: _n and _ still hold it
+    run(ip, "%gpufree")
+    assert ip.user_ns["ref"]() is None
+
+
+def test_a_small_result_with_a_graph_gets_no_note(ip, capsys, small):
+    run(ip, "w = torch.ones(1000, requires_grad=True)")
+    for cell in ("w.sigmoid()", "w.exp() * w"):
+        capsys.readouterr()
+        run(ip, cell)
+        assert last(ip).notes == () and lines_after_report(capsys.readouterr().out) == [], cell
 
 
 def test_a_displayed_result_that_a_name_holds_gets_no_note(ip, capsys, small):

@@ -107,6 +107,28 @@ def test_optimizer_state_on_another_device_is_a_warning_but_step_is_not():
     ]
 
 
+@pytest.mark.parametrize("optimizer", ["NAdam", "Adam", "RAdam", "ASGD", "Adagrad"])
+def test_the_scalars_an_optimizer_keeps_on_the_cpu_on_purpose_are_no_warning(
+    ip, tdmdev, capsys, optimizer
+):
+    """Issue 36, point 17d: NAdam keeps `mu_product` on the CPU for parameters on DEV (as
+    every optimizer keeps `step`), and its step runs so; a moment moved to the CPU by
+    hand is still a warning."""
+    ip.run_cell(f"model = torch.nn.Linear(4, 4, device='tdmdev')\n"
+                f"opt = torch.optim.{optimizer}(model.parameters(), foreach=False)\n"
+                "model(torch.ones(2, 4, device='tdmdev')).sum().backward(); opt.step()")
+    capsys.readouterr()
+    ip.run_cell("%tensors")
+    assert "warning" not in capsys.readouterr().out
+    ip.run_cell("opt.step()")  # the single-tensor path with the state as torch left it
+    state = ip.user_ns["opt"].state[ip.user_ns["model"].weight]
+    moment = next(k for k, v in state.items() if v.shape == (4, 4))  # exp_avg, sum, ax
+    state[moment] = state[moment].cpu()
+    ip.run_cell("%tensors")
+    assert (f"warning: opt: the {optimizer}'s state is on cpu for parameters on tdmdev:0 "
+            "(%%ondevice moves an optimizer with its state)") in capsys.readouterr().out
+
+
 def test_filters_by_device_and_size():
     ns = {"small": torch.zeros(2), "big": torch.zeros(1000), "m": torch.zeros(5, device="meta")}
     assert [r.name for r in scan(ns, device=torch.device("meta")).rows] == ["m"]
@@ -173,6 +195,23 @@ def test_magic_lists_and_returns_rows(ip, capsys):
     assert [(r.name, r.device) for r in ip.user_ns["rows"]] == [("m", "meta")]
     ip.run_cell("rows = %tensors --min-bytes 1KiB -o")
     assert [r.name for r in ip.user_ns["rows"]] == ["a", "v"]
+
+
+def test_a_models_slice_shares_its_weights_in_one_line(ip, capsys):
+    """Issue 36, point 20: `backbone = model[:-1]` of 51 layers shares 100 weights and
+    biases with `model`: one line for the pair, not one a weight."""
+    ip.run_cell("model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(51)])\n"
+                "backbone = model[:-1]\nhead = model[-1]\nx = torch.ones(256)\nv = x[:2]")
+    capsys.readouterr()
+    ip.run_cell("%tensors")
+    lines = capsys.readouterr().out.splitlines()
+    shared = [line for line in lines if " share " in line]
+    assert shared == [
+        "backbone, model share 100 storages (14.1 KiB, counted once)",  # 50 x (256 + 32 B)
+        "head, model share 2 storages (288 B, counted once)",
+        "v, x share one storage (1.0 KiB, counted once)",
+    ]
+    assert len(lines) < 15
 
 
 def test_report_renders_html_too():

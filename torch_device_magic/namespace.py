@@ -154,10 +154,17 @@ def scan(
                 totals.setdefault(key[0], {})[key] = nbytes
         for key in f.held():
             owners.setdefault(key, []).append(row.name)
+    # one line per set of names sharing storage: a model's slice shares all its weights
+    together: dict[tuple[str, ...], list[int]] = {}  # names: [storages, bytes]
+    for key, names in owners.items():
+        if len(names) > 1:
+            counted = together.setdefault(tuple(names), [0, 0])
+            counted[0] += 1
+            counted[1] += totals[key[0]][key]
     shared = [
-        f"{', '.join(names)} share one storage ({fmt_bytes(totals[key[0]][key])}, counted once)"
-        for key, names in owners.items()
-        if len(names) > 1
+        f"{', '.join(names)} share {'one storage' if n == 1 else plural(n, 'storage')} "
+        f"({fmt_bytes(nbytes)}, counted once)"
+        for names, (n, nbytes) in together.items()
     ]
     return TensorsReport(
         rows=[row for row, _ in found],
@@ -333,10 +340,10 @@ def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
             f.add(p, PARAM)
             if p.grad is not None:
                 f.add(p.grad, ASIDE)  # the model's row shows it
-            for key, value in opt.state.get(p, {}).items():
+            for value in opt.state.get(p, {}).values():
                 if not isinstance(value, Tensor):
                     continue
-                if key == "step":  # on the CPU on purpose unless capturable or fused
+                if _bookkeeping(value):
                     f.add(value, ASIDE)
                     continue
                 _tensor(value, STATE, f)
@@ -347,6 +354,14 @@ def _optimizer(opt: torch.optim.Optimizer, name: str, f: _Found) -> None:
             f"{name}: the {type(opt).__name__}'s state is on {state_dev} for parameters on "
             f"{param_dev} (%%ondevice moves an optimizer with its state)"
         )
+
+
+def _bookkeeping(state: Tensor) -> bool:
+    """A 0-dim state tensor on the CPU: the scalars torch's optimizers keep there on
+    purpose, whatever the parameters' device, unless capturable or fused (every one's
+    `step`, NAdam's `mu_product`; a kernel launch for each would cost more). A
+    per-parameter state (momentum, Adam's moments) has its parameter's shape."""
+    return state.dim() == 0 and state.device.type == "cpu"
 
 
 def _materialised(tensors: Iterable[Tensor]) -> list[Tensor]:

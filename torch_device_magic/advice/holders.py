@@ -11,8 +11,9 @@ its graph's saved activations), the displayed results (IPython's references: `Ou
 traceback (its functions' locals), and optimizer state. A result and the traceback count
 only what they alone keep alive, found from reference counts (`_Alone`): what a name, a
 Dataset, a Trainer or another view also holds would not come back by letting go of
-them. Each storage counts once: not at all when a user's name holds it, else for the
-first holder that reaches it.
+them; what only their tensors' C++ holds does (what their autograd graphs saved, the
+base of a view no Python object holds). Each storage counts once: not at all when a
+user's name holds it, else for the first holder that reaches it.
 On an accelerator the total is set against the allocator's allocated bytes, and
 what stays unaccounted is said.
 """
@@ -128,8 +129,8 @@ def hidden(
     for name, tensors in users.graphs:
         add(f"{name}'s autograd graph", storage_keys(graph_tensors(tensors)),
             f"del {name}, or keep {name}.detach()", GRAPH)
-    for name, ident, walk in results(namespace, skip, shell):
-        add(name, walk.kept(), "%gpufree", RESULT, walk, ident)
+    for names, ident, walk in results(namespace, skip, shell):
+        add(names[0], walk.kept(), let_go_of(names), RESULT, walk, ident)
     if error is None:
         error = getattr(sys, "last_value", None)
     if error is not None:
@@ -190,6 +191,7 @@ class _Alone:
         self._missing: dict[int, int] = {}  # object's id: its references not yet accounted for
         self._todo: list[object] = []
         self._tensors: list[Tensor] = []
+        self._first: dict[Key, Tensor] = {}  # a tensor of each storage `kept` counted
 
     def add(self, refs: list[object]) -> _Alone:
         """Count the references in `refs` (an object as often as the holder refers to
@@ -221,20 +223,39 @@ class _Alone:
                 self._todo.append(kid)
 
     def kept(self) -> dict[Key, int]:
-        """The storages only the counted tensors keep alive ({} past the budget)."""
+        """The storages only the counted tensors keep alive ({} past the budget), and
+        those that only their autograd graphs saved: a displayed `x.sigmoid()` whose graph
+        saved the result itself, a prediction's activations."""
         if self.over:
             return {}
         by_storage: dict[Key, list[Tensor]] = {}
         for t in self._tensors:
-            by_storage.setdefault((str(t.device), storage_key(t)), []).append(t)
-        return {key: storage_bytes(ts[0]) for key, ts in by_storage.items()
-                if _only_views_share(ts) and _storage_users(ts[0]) == len(ts)}
+            by_storage.setdefault(_key(t), []).append(t)
+        # each saved tensor as often as the graphs hold it (a reference each), once a user
+        saved = Counter[int]()
+        savers: dict[Key, dict[int, Tensor]] = {}
+        for t in graph_tensors(t for t in self._tensors if t.grad_fn is not None):
+            saved[id(t)] += 1
+            savers.setdefault(_key(t), {})[id(t)] = t
+        kept: dict[Key, int] = {}
+        for key in by_storage.keys() | savers.keys():
+            ts = by_storage.get(key, [])
+            ts += _bases_only_views_hold(ts)
+            users = {id(t): t for t in ts} | savers.get(key, {})
+            first = next(iter(users.values()))
+            if _only_views_share(ts, saved) and _storage_users(first) == len(users):
+                kept[key] = storage_bytes(first)
+                self._first[key] = first
+        return kept
 
     def watch(self, keys: dict[Key, int]) -> tuple[tuple[str, int, Any], ...]:
-        """A weak reference to each storage of `keys` that the walk counted."""
-        first = {(str(t.device), storage_key(t)): t for t in reversed(self._tensors)}
-        return tuple((key[0], n, StorageWeakRef(first[key].untyped_storage()))
-                     for key, n in keys.items() if key in first)
+        """A weak reference to each storage of `keys` that `kept` counted."""
+        return tuple((key[0], n, StorageWeakRef(self._first[key].untyped_storage()))
+                     for key, n in keys.items() if key in self._first)
+
+
+def _key(t: Tensor) -> Key:
+    return (str(t.device), storage_key(t))
 
 
 def _held_by_cpp(obj: object) -> int:
@@ -242,11 +263,24 @@ def _held_by_cpp(obj: object) -> int:
     return int(isinstance(obj, Tensor) and obj._use_count() > 1)  # type: ignore[attr-defined]
 
 
-def _only_views_share(tensors: list[Tensor]) -> bool:
-    """Whether C++ holds these tensors (of one storage) only as the bases of their views:
-    not as an autograd graph's saved tensor, nor as another object's base."""
+def _bases_only_views_hold(views: list[Tensor]) -> list[Tensor]:
+    """The bases of `views` (not among them) that no Python object holds, only their
+    views' C++: the tensor `torch.ones(n)[::2]` views, which its displayed view keeps."""
+    found: dict[int, Tensor] = {id(t): t for t in views}
+    for view in views:
+        base = view._base
+        # getrefcount counts `base`, its argument and the C++ view's hold on the object
+        if base is not None and id(base) not in found and sys.getrefcount(base) == 3:
+            found[id(base)] = base
+    return list(found.values())[len(views):]
+
+
+def _only_views_share(tensors: list[Tensor], saved: Counter[int]) -> bool:
+    """Whether C++ holds these tensors (of one storage) only as the bases of their views
+    and as the tensors that the graphs walked saved (`saved`: how often, by id): not as
+    another graph's saved tensor, nor as another object's base."""
     bases = Counter(id(t._base) for t in tensors if t._base is not None)
-    return all(t._use_count() == 1 + bases[id(t)]  # type: ignore[attr-defined]
+    return all(t._use_count() == 1 + bases[id(t)] + saved[id(t)]  # type: ignore[attr-defined]
                for t in tensors)
 
 
@@ -263,18 +297,19 @@ def _storage_users(t: Tensor) -> int:
 def results(
     namespace: dict[str, object], hidden_ns: Iterable[str] = (), shell: Any = None,
     only: int | None = None,
-) -> list[tuple[str, int, _Alone]]:
+) -> list[tuple[list[str], int, _Alone]]:
     """IPython's displayed results, each with what IPython's references alone keep alive
-    of it: (its name, its id, the walk). IPython refers to a result from `Out[n]`, `_n`,
-    `_`, `__`, `___` (in the namespace and in `hidden_ns`, its copy), its displayhook's
-    `_`, `__`, `___` and its last execution result: a result that a name (or anything
-    else) holds too keeps nothing here. `only`: the result with that id alone."""
+    of it: (its names, `_result_names`, its id, the walk). IPython refers to a result
+    from `Out[n]`, `_n`, `_`, `__`, `___` (in the namespace and in `hidden_ns`, its
+    copy), its displayhook's `_`, `__`, `___` and its last execution result: a result
+    that a name (or anything else) holds too keeps nothing here. `only`: the result with
+    that id alone."""
     places = _result_places(namespace, hidden_ns, shell)
     sites: dict[int, list[tuple[dict[Any, Any], Any]]] = {}
     for names, key in places:
         if type(names[key]) not in _SCALARS and only in (None, id(names[key])):
             sites.setdefault(id(names[key]), []).append((names, key))
-    return [(_result_name(where), ident,
+    return [(_result_names(where), ident,
              _Alone(WALK_LIMIT).add([names[key] for names, key in where]))
             for ident, where in sites.items()]
 
@@ -301,14 +336,30 @@ def _result_places(
     return list({(id(names), key): (names, key) for names, key in places}.values())
 
 
-def _result_name(where: list[tuple[dict[Any, Any], Any]]) -> str:
-    """`Out[3]`, else `_3`, else `_` (`__`, `___`), else "the last result"."""
+def _result_names(where: list[tuple[dict[Any, Any], Any]]) -> list[str]:
+    """The names a result goes by, each once: `Out[3]`, then `_3`, then `_` (`__`,
+    `___`); ["the last result"] where IPython's own attributes alone hold it."""
     keys = [key for _, key in where]
-    numbered = [k for k in keys if isinstance(k, int)]
-    if numbered:
-        return f"Out[{numbered[0]}]"
-    names = sorted((k for k in keys if k != "result"), key=lambda k: (k in _RESULTS, k))
-    return names[0] if names else "the last result"
+    numbered = [f"Out[{k}]" for k in keys if isinstance(k, int)]
+    names = sorted({k for k in keys if isinstance(k, str) and k != "result"},
+                   key=lambda k: (k in _RESULTS, k))
+    return numbered + names or ["the last result"]
+
+
+def let_go_of(names: list[str]) -> str:
+    """How to let go of a result IPython holds under `names` (`_result_names`): `del` of
+    one name frees nothing while another holds it (and IPython's hidden copy of `_3`,
+    its displayhook's `_` and its last result hold it too), so %gpufree, which lets go of
+    them all."""
+    return f"%gpufree ({held_too(names)})" if len(names) > 1 else "%gpufree"
+
+
+def held_too(names: list[str]) -> str:
+    """"_3 and _ hold it too": the names after the first (at least one)."""
+    others = names[1:]
+    if len(others) == 1:
+        return f"{others[0]} holds it too"
+    return f"{', '.join(others[:-1])} and {others[-1]} hold it too"
 
 
 def traceback_walk(error: BaseException, budget: int = WALK_LIMIT) -> _Alone:
@@ -393,7 +444,7 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
 
 def storage_keys(tensors: Iterable[Tensor]) -> dict[Key, int]:
     """Each storage the tensors keep alive, keyed by device and storage, with its bytes."""
-    return {(str(t.device), storage_key(t)): storage_bytes(t) for t in tensors}
+    return {_key(t): storage_bytes(t) for t in tensors}
 
 
 def bytes_by_device(keys: dict[Key, int]) -> dict[str, int]:
@@ -454,8 +505,9 @@ def traceback_bytes(error: BaseException, budget: int = WALK_LIMIT) -> dict[str,
 
 def result_bytes(
     namespace: dict[str, object], hidden_ns: Iterable[str], shell: Any, ident: int
-) -> tuple[str, dict[str, int]] | None:
-    """The name IPython gives the result with id `ident` and the bytes per device that
-    IPython's references alone keep alive of it; None where IPython holds no such result."""
+) -> tuple[list[str], dict[str, int]] | None:
+    """The names IPython gives the result with id `ident` (`_result_names`) and the bytes
+    per device that IPython's references alone keep alive of it; None where IPython holds
+    no such result."""
     found = results(namespace, hidden_ns, shell, only=ident)
     return (found[0][0], bytes_by_device(found[0][2].kept())) if found else None

@@ -37,6 +37,7 @@ from .compiles import UTILS
 from .holders import (
     bytes_by_device,
     graph_tensors,
+    held_too,
     result_bytes,
     storage_keys,
     traceback_bytes,
@@ -85,14 +86,17 @@ def near_capacity(device: str, peak_bytes: int, total_bytes: int) -> Note | None
                 "run out of memory; see %%profile --memory", share, NEAR_CAPACITY_SHARE, device)
 
 
-def displayed(name: str, nbytes: int, device: str, total_bytes: int | None) -> Note | None:
+def displayed(names: list[str], nbytes: int, device: str, total_bytes: int | None) -> Note | None:
     """The displayed result (`Out[n]`, `_`) alone keeps `nbytes` of tensors alive on
-    `device`. Not `del Out[n]`: `_n`, `_` and the last result keep it too."""
+    `device`, IPython holding it under `names` (`Out[n]`, `_n`, `_`). Not `del Out[n]`:
+    `_n`, `_` and the last result keep it too; %gpufree lets go of them all."""
     limit = _displayed_limit(total_bytes)
     if nbytes < limit:
         return None
-    return Note("displayed", f"{name} keeps {fmt_bytes(nbytes)} on {device}: end the line "
-                "with ';', or %gpufree lets go of it", nbytes, limit, name)
+    also = f", and {held_too(names)}: %gpufree lets go of them all" if len(names) > 1 else (
+        ": %gpufree lets go of it")
+    return Note("displayed", f"{names[0]} keeps {fmt_bytes(nbytes)} on {device}{also} (or end "
+                "the line with ';')", nbytes, limit, names[0])
 
 
 def _displayed_limit(total_bytes: int | None) -> int:
@@ -265,9 +269,9 @@ class Advisor:
         found = result_bytes(shell.user_ns, shell.user_ns_hidden, shell, id(result.result))
         if not found or not found[1]:
             return None
-        name, alone = found
+        names, alone = found
         device, nbytes = max(alone.items(), key=lambda item: item[1])
-        return displayed(name, nbytes, device, self.total_bytes(device))
+        return displayed(names, nbytes, device, self.total_bytes(device))
 
     def _inference(self, source: str) -> Note | None:
         """A cell that called modules, all in eval mode, and no backward, whose new names

@@ -59,17 +59,22 @@ class TorchDeviceMemoryMagics(MagicsGroup):
         A row's bytes are the storages the name keeps alive (a view counts its
         whole base); a module's are its parameters and buffers, an optimizer's
         its state; a sparse tensor's are its indices and values. Totals per
-        device count shared storage once. Warnings name a module whose
-        parameters span devices, an optimizer whose state is on another device
-        than its parameters, and an object that raised when looked into (it is
-        skipped). At most 100,000 objects are looked at per name (its kind then
-        says "first 100,000 items"). `--device` and `--min-bytes` filter the
-        rows; `-o` returns them (TensorRow).
+        device count shared storage once; names sharing storage get one line
+        per set of names ("backbone, model share 100 storages"). Warnings name
+        a module whose parameters span devices, an optimizer whose state is on
+        another device than its parameters (not the 0-dim scalars, such as
+        `step`, that torch's optimizers keep on the CPU on purpose), and an
+        object that raised when looked into (it is skipped). At most 100,000
+        objects are looked at per name (its kind then says "first 100,000
+        items"). `--device` and `--min-bytes` filter the rows; `-o` returns
+        them (TensorRow).
 
         `--hidden` lists what keeps tensors alive behind the names: displayed
-        results (Out[n], _), the last traceback's locals, the autograd graph a
-        stored tensor keeps (its saved activations), optimizer state; each
-        storage counted once, none that a name holds. On an accelerator it says
+        results (Out[n], _n, _, with what their graphs saved; the fix names
+        every one that holds a result, which %gpufree lets go of), the last
+        traceback's locals, the autograd graph a stored tensor keeps (its saved
+        activations), optimizer state; each storage counted once, none that a
+        name holds. On an accelerator it says
         how much of the allocator's allocated memory stays unaccounted. `-o`
         returns the holders (Holder: name, nbytes per device, fix, kind).
         """

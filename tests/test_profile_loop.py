@@ -4,6 +4,7 @@ for its first steps while its lines are timed over all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -65,10 +66,19 @@ def traces_in(folder) -> list[str]:
     return sorted(p.name for p in folder.glob("tdm-profile-*"))
 
 
-def live_profiles() -> int:
-    """torch's profilers and their sessions alive (each session holds its kineto record)."""
-    kinds = (torch.profiler.profile, torch.autograd.profiler.profile)
-    return sum(type(o) in kinds for o in gc.get_objects())  # no isinstance: no __class__ read
+@pytest.fixture
+def sessions(monkeypatch):
+    """Weak references to each session torch's profilers record (each holds its kineto
+    record): a `torch.autograd.profiler.profile`, one a start."""
+    made: list[weakref.ref] = []
+    real = torch.autograd.profiler.profile.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(torch.autograd.profiler.profile, "__init__", spy)
+    return made
 
 
 @pytest.mark.parametrize("cell", [
@@ -77,18 +87,16 @@ def live_profiles() -> int:
     LOOP.format(n=40) + "\nfor j in range(40):\n    y = w + j",  # windowed: several sessions
     "w = torch.ones(8, 8)\nfor i in range(40):\n    y = w @ w\n    if i == 20:\n"
     "        1 / 0",  # raises in a windowed loop: its traceback is kept (sys.last_traceback)
-])
+], ids=["plain", "loop", "windowed", "raises"])
 def test_nothing_of_the_capture_outlives_the_cell_without_a_garbage_collection(
-    ip, profilers, no_gc, cell
+    ip, profilers, no_gc, sessions, cell
 ):
-    try:
+    with contextlib.suppress(ZeroDivisionError):
         ip.run_cell("%%profile\n" + cell)
-    except ZeroDivisionError:
-        pass
     ip.run_cell("a = 1")
     ip.run_cell("b = 2")
     assert profilers and profilers[-1]() is None  # torch's profiler
-    assert live_profiles() == 0  # nor any of its sessions, nor kineto's record
+    assert sessions and not [s for s in sessions if s() is not None]  # nor kineto's records
 
 
 def test_with_o_the_report_holds_the_profiler_until_it_goes(ip, profilers, no_gc):

@@ -194,7 +194,12 @@ def test_each_run_of_n_is_windowed_alike(ip):
     report = profile_o(ip, LOOP.format(n=20), "-n 3")
     assert calls(report, "aten::mm") == 3 * 6
     assert report.loops == [lines.LoopSteps("2", [20, 20, 20])]
-    assert "steps 1–6 of each of 3 runs (of 60) of the loop on line 2" in report.overview()
+    assert ("steps 1–6 of each of 3 runs (20 each, 60 in all) of the loop on line 2"
+            in report.overview())
+    ip.user_ns["k"] = 10  # runs of different lengths: their total only
+    report = profile_o(ip, "k += 10\nfor i in range(k):\n    y = torch.ones(2)", "-n 2")
+    assert report.loops == [lines.LoopSteps("2", [20, 30])]
+    assert "steps 1–6 of each of 2 runs (50 in all) of the loop on line 2" in report.overview()
 
 
 def test_a_lines_first_run_is_recorded_wherever_it_falls(ip):

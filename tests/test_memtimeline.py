@@ -111,6 +111,31 @@ def test_the_line_ranges_of_profiles_tracer_name_the_line_even_of_an_operator():
     assert 0 < tl.largest[0].at_s < tl.largest[1].at_s < tl.duration_s
 
 
+# a loop past its steps window, that keeps nothing
+WINDOWED = "for i in range(20):\n    a = torch.ones(2**20)\n    b = a * 2\ndel a, b"
+
+
+def profile_memory(ip, options: str, cell: str) -> Timeline:
+    ip.run_cell(f"r = get_ipython().run_cell_magic('profile', '-o --memory {options}', {cell!r})")
+    return ip.user_ns["r"].timeline
+
+
+def test_a_windowed_loops_timeline_says_what_it_left_out(ip):
+    """Each step's frees of the step before fall, past the window, where nothing records."""
+    tl = profile_memory(ip, "", WINDOWED)
+    assert tl.start_bytes == 0 and 12 * MiB <= tl.peak_bytes < 12 * MiB + 4096
+    assert "0 B -> 8.0 MiB (8.0 MiB of it maybe freed in the steps left out)" in tl.headline()
+    assert "a loop's steps past --steps were not recorded" in tl.text()
+
+
+def test_the_blocks_a_window_did_not_see_freed_do_not_carry_into_the_next_capture(ip):
+    """The profiler's own CPU count keeps them for the rest of the process."""
+    profile_memory(ip, "", WINDOWED)
+    tl = profile_memory(ip, "--steps 0", WINDOWED)
+    assert (tl.start_bytes, tl.end_bytes) == (0, 0)  # it kept nothing
+    assert 12 * MiB <= tl.peak_bytes < 12 * MiB + 4096 and "left out" not in tl.text()
+
+
 def test_a_cell_compiled_as_ipython_compiles_it_is_found_by_its_filename(ip):
     """The filename IPython gives a cell (`<ipython-input-…>` in 7.34, a file path in 9),
     its top-level code and its trailing expression (compiled apart, for `Out[n]`)."""

@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 
 from torch_device_magic.kineto.analysis import analyse
 from torch_device_magic.kineto.events import Event
-from torch_device_magic.profile import ProfileReport
+from torch_device_magic.profile import ProfileReport, recording
 
 SLOW = "big = torch.randn(300, 300) @ torch.randn(300, 300)"
 
@@ -98,6 +98,11 @@ def test_sort_and_top_choose_the_op_table(ip):
     ("-f nowhere", "-f nowhere: cannot find it (NameError"),
     ("-f x", "-f x: Tensor is not a Python function"),
     ("--frobnicate", "%%profile: unrecognized arguments: --frobnicate"),
+    ("--trace .", "%%profile --trace .: that is a folder; give a file name in it, e.g. "
+                  "--trace ./step.json"),
+    ("--trace no/such/dir/t.json", "%%profile --trace no/such/dir/t.json: there is no folder "),
+    ("--threads --memory", "%%profile --threads --memory: torch records no memory allocations "
+                           "while it records every thread"),
 ])
 def test_a_mistake_is_one_usage_error_and_runs_nothing(ip, line, message):
     ip.run_cell("x = torch.ones(2); ran = 0")
@@ -121,10 +126,17 @@ def test_the_trace_is_written_where_asked_and_stamped_rank_0(ip, tmp_path, capsy
         assert json.load(f)["distributedInfo"]["world_size"] == 1
 
 
-def test_a_trace_that_cannot_be_written_is_a_note_and_the_cell_still_ran(ip, tmp_path):
-    report = profile(ip, f"-o --trace {tmp_path}/no/such/dir/t.json", "made = torch.ones(2)")
+def test_a_trace_that_fails_as_it_is_written_is_a_note_and_the_cell_still_ran(
+    ip, tmp_path, monkeypatch
+):
+    def full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(recording.Pieces, "export_chrome_trace", full)
+    report = profile(ip, f"-o --trace {tmp_path}/t.json", "made = torch.ones(2)")
     assert report.trace_path is None and "made" in ip.user_ns
-    assert f"the trace could not be written to {tmp_path}/no/such/dir/t.json" in str(report)
+    assert (f"the trace could not be written to {tmp_path}/t.json: No space left on device"
+            in str(report))
 
 
 @pytest.mark.parametrize("error", [ZeroDivisionError, KeyboardInterrupt])

@@ -4,6 +4,7 @@ for its first steps while its lines are timed over all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -65,17 +66,37 @@ def traces_in(folder) -> list[str]:
     return sorted(p.name for p in folder.glob("tdm-profile-*"))
 
 
+@pytest.fixture
+def sessions(monkeypatch):
+    """Weak references to each session torch's profilers record (each holds its kineto
+    record): a `torch.autograd.profiler.profile`, one a start."""
+    made: list[weakref.ref] = []
+    real = torch.autograd.profiler.profile.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(torch.autograd.profiler.profile, "__init__", spy)
+    return made
+
+
+@pytest.mark.parametrize("cell", [
+    "y = torch.ones(3) + 1",  # no loop
+    "w = torch.ones(8, 8)\nfor i in range(3):\n    y = w @ w",  # a loop, recorded in full
+    LOOP.format(n=40) + "\nfor j in range(40):\n    y = w + j",  # windowed: several sessions
+    "w = torch.ones(8, 8)\nfor i in range(40):\n    y = w @ w\n    if i == 20:\n"
+    "        1 / 0",  # raises in a windowed loop: its traceback is kept (sys.last_traceback)
+], ids=["plain", "loop", "windowed", "raises"])
 def test_nothing_of_the_capture_outlives_the_cell_without_a_garbage_collection(
-    ip, profilers, no_gc
+    ip, profilers, no_gc, sessions, cell
 ):
-    ip.run_cell("%%profile\ny = torch.ones(3) + 1")
-    assert profilers and profilers[-1]() is None  # torch's profiler, and with it kineto's record
-
-
-def test_a_cell_that_raises_keeps_its_traceback_but_not_the_capture(ip, profilers, no_gc):
-    with pytest.raises(ZeroDivisionError):
-        ip.run_cell("%%profile\ny = torch.ones(3) + 1\n1 / 0")
-    assert profilers[-1]() is None
+    with contextlib.suppress(ZeroDivisionError):
+        ip.run_cell("%%profile\n" + cell)
+    ip.run_cell("a = 1")
+    ip.run_cell("b = 2")
+    assert profilers and profilers[-1]() is None  # torch's profiler
+    assert sessions and not [s for s in sessions if s() is not None]  # nor kineto's records
 
 
 def test_with_o_the_report_holds_the_profiler_until_it_goes(ip, profilers, no_gc):
@@ -173,7 +194,12 @@ def test_each_run_of_n_is_windowed_alike(ip):
     report = profile_o(ip, LOOP.format(n=20), "-n 3")
     assert calls(report, "aten::mm") == 3 * 6
     assert report.loops == [lines.LoopSteps("2", [20, 20, 20])]
-    assert "steps 1–6 of each of 3 runs (of 60) of the loop on line 2" in report.overview()
+    assert ("steps 1–6 of each of 3 runs (20 each, 60 in all) of the loop on line 2"
+            in report.overview())
+    ip.user_ns["k"] = 10  # runs of different lengths: their total only
+    report = profile_o(ip, "k += 10\nfor i in range(k):\n    y = torch.ones(2)", "-n 2")
+    assert report.loops == [lines.LoopSteps("2", [20, 30])]
+    assert "steps 1–6 of each of 2 runs (50 in all) of the loop on line 2" in report.overview()
 
 
 def test_a_lines_first_run_is_recorded_wherever_it_falls(ip):

@@ -33,8 +33,9 @@ class TorchDeviceProfileMagics(MagicsGroup):
               help="the op table's order: self (CPU time, the default), total, device, memory")
     @argument("--top", type=int, default=10, help="rows of the op and kernel tables (default 10)")
     @argument("--trace", metavar="PATH",
-              help="write the Chrome/Perfetto trace there (default: a temporary file, shown, "
-              "kept until the next %%%%profile or the session's end)")
+              help="write the Chrome/Perfetto trace there, a file in a folder that exists "
+              "(default: a temporary file, shown, kept until the next %%%%profile or the "
+              "session's end)")
     @argument("--steps", type=int, default=5,
               help="where the cell has loops, record each loop's first step and STEPS more in "
               "full (ops, memory, trace; default 5), with the code outside the loops and each "
@@ -46,7 +47,7 @@ class TorchDeviceProfileMagics(MagicsGroup):
               "memory events")
     @argument("--threads", action="store_true",
               help="also record the ops of the threads the cell starts (every thread; this "
-              "torch then records no memory allocations)")
+              "torch then records no memory allocations, so not with --memory)")
     @argument("-f", dest="functions", action="append", default=[], metavar="NAME",
               help="also give the lines of this function (defined elsewhere: a notebook "
               "function, a method, a module's forward); repeatable")

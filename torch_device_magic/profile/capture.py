@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,10 +112,35 @@ class Options:
                 f"%%profile --threads: torch {torch.__version__} cannot record other threads "
                 "(its profiler has no profile_all_threads)"
             )
+        if self.threads and self.memory:
+            raise DeviceMagicError(
+                "%%profile --threads --memory: torch records no memory allocations while it "
+                "records every thread (pytorch issue 166121); profile the memory without "
+                "--threads, the other threads' ops without --memory"
+            )
         if self.steps < 0:
             raise DeviceMagicError("%%profile --steps needs 1 or more (or 0: every step)")
-        if self.trace is not None and not self.trace.strip():
-            raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
+        if self.trace is not None:
+            _check_trace(self.trace)
+
+
+def _check_trace(trace: str) -> None:
+    """A trace path the file can be written to, checked before the cell runs: a file name
+    in a folder that exists and that we may write in."""
+    if not trace.strip():
+        raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
+    path = os.path.expanduser(trace)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DeviceMagicError(f"%%profile --trace {trace}: that is a folder; give a file name "
+                               f"in it, e.g. --trace {os.path.join(trace, 'step.json')}")
+    if not os.path.isdir(folder):
+        raise DeviceMagicError(f"%%profile --trace {trace}: there is no folder {folder} "
+                               "(make it first)")
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise DeviceMagicError(f"%%profile --trace {trace}: it cannot be written "
+                               "(no permission)")
 
 
 @dataclass

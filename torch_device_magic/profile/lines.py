@@ -240,7 +240,9 @@ class LineTracer:
                 innermost.pop()
                 if opened:
                     opened.pop().__exit__(None, None, None)
-            return local
+            # itself, read from the frame: a closure naming itself would be a reference
+            # cycle holding the tracer (and the recording) until a full collection
+            return frame.f_trace
 
         return local
 
@@ -258,6 +260,8 @@ class LineTracer:
         sys.settrace(self._previous)
         threading.settrace(self._previous_threads)
         self._previous = self._previous_threads = None
+        # a traceback's frames keep their trace function, and so this tracer: not the record
+        self._window = None
 
     def _thread(self, frame: FrameType, event: str, arg: Any) -> Any:
         """A thread the cell started, at its first call: counted (for the overview's note),

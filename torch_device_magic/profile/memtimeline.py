@@ -44,7 +44,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -99,6 +99,8 @@ class Timeline:
     allocations: int  # how many allocations the cell made on `device`
     snapshot_path: str | None = None
     notes: list[str] = field(default_factory=list)
+    # of `end_bytes`, those allocated before steps the recording left out and not seen freed
+    unseen_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -122,9 +124,15 @@ class Timeline:
         return (
             f"memory timeline of {self.device} ({self.source}): peak {fmt_bytes(self.peak_bytes)}"
             f" at {fmt_seconds(self.peak_at_s)}, {fmt_bytes(self.start_bytes)} ->"
-            f" {fmt_bytes(self.end_bytes)}, {plural(self.allocations, 'allocation')}"
+            f" {fmt_bytes(self.end_bytes)}{self._unseen()},"
+            f" {plural(self.allocations, 'allocation')}"
             f" in {fmt_seconds(self.duration_s)}"
         )
+
+    def _unseen(self) -> str:
+        if not self.unseen_bytes:
+            return ""
+        return f" ({fmt_bytes(self.unseen_bytes)} of it maybe freed in the steps left out)"
 
     def table(self) -> Table:
         def short(text: str) -> str:
@@ -253,6 +261,12 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     times); without either, the span of the memory events. The device is the
     accelerator that allocated the most, else the CPU; the others are named in a
     note. Times are seconds since the cell's first frame started.
+
+    The CPU's bytes are counted from the cell's start, block by block (the profiler's own
+    CPU count keeps, for the rest of the process, every block whose free it did not see).
+    Where `prof` is %%profile's sessions (`recording.Pieces`), a loop's steps past the
+    window were not recorded: the timeline says so, and how much of its end was allocated
+    before them and not seen freed.
     """
     try:
         return _from_profiler(prof, cell_filename, cell_source)
@@ -264,8 +278,8 @@ def from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
 
 def _from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     names = _cell_names(cell_filename)
-    tree = _event_tree(prof)
-    allocations, span = _walk(tree, names)
+    trees, to_end = _sessions(prof)
+    allocations, span = _walk(trees, names)
     notes: list[str] = []
     if span:
         t0, t1 = span
@@ -288,10 +302,17 @@ def _from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
             notes.append(f"{other} also allocated {fmt_bytes(sum(made))} in "
                          f"{plural(len(made), 'allocation')}")
     mine = by_device.get(device, [])
+    unseen = 0
+    if device == "cpu":
+        mine, unseen = _cell_blocks(mine, len(trees) - 1 if to_end else len(trees))
+    if len(trees) > 1 or not to_end:
+        notes.append("a loop's steps past --steps were not recorded: what they allocated and "
+                     "freed is not drawn (--steps 0 records every step)")
     lines = [_profiler_line(m.event, names) if m.size > 0 else None for m in mine]
     orphans = [i for i, line in enumerate(lines) if line is None and mine[i].size > 0]
     if orphans and span:  # made on another thread (backward on a GPU), or by an operator
-        found = _open_line([mine[i].start_ns for i in orphans], _call_spans(tree, names))
+        found = _open_line([mine[i].start_ns for i in orphans], _call_spans(
+            [node for tree in trees for node in tree], names))
         for i, line in zip(orphans, found):
             lines[i] = line
     changes = [_Change((m.start_ns - t0) / 1e9, m.size, m.total, line)
@@ -299,6 +320,7 @@ def _from_profiler(prof: Any, cell_filename: str, cell_source: str) -> Timeline:
     start = changes[0].total - changes[0].delta if changes else 0
     timeline = _timeline(device, changes, start, (t1 - t0) / 1e9, PROFILER_SOURCE,
                          _source_lines(cell_filename, cell_source), notes)
+    timeline.unseen_bytes = unseen
     if span and any(a.line is None for a in timeline.largest):
         notes.append("line ?: made while no call of the cell's own was running (an operator "
                      "such as a + b at the top level); the CUDA history has its line")
@@ -314,41 +336,69 @@ class _Memory:
     total: int  # the allocator's bytes allocated after it
     device: str
     event: Any
+    ptr: int
+    session: int  # the recording session's index (%%profile's sessions: see `_sessions`)
 
 
-def _walk(tree: list[Any], names: frozenset[str]) -> tuple[list[_Memory], tuple[int, int] | None]:
-    """The memory events in time order, and the span from the first of the cell's frames
-    or line ranges to start to the last to end (None where there are none)."""
+def _cell_blocks(memory: list[_Memory], sessions_seen: int) -> tuple[list[_Memory], int]:
+    """The CPU's events with its bytes allocated counted from the cell's start, of the
+    blocks the cell made (a free of an older block is left out), and the bytes of those not
+    seen freed that were made in the first `sessions_seen` sessions, each followed by steps
+    left out (where they may have been freed)."""
+    held: dict[int, _Memory] = {}
+    total, out = 0, []
+    for m in memory:
+        if m.size > 0:
+            gone = held.pop(m.ptr, None)  # its address again: freed where nothing recorded
+            total += m.size - (gone.size if gone is not None else 0)
+            held[m.ptr] = m
+        elif (gone := held.pop(m.ptr, None)) is not None:
+            total -= gone.size
+        else:
+            continue
+        out.append(replace(m, total=total))
+    return out, sum(m.size for m in held.values() if m.session < sessions_seen)
+
+
+def _walk(
+    trees: list[list[Any]], names: frozenset[str]
+) -> tuple[list[_Memory], tuple[int, int] | None]:
+    """The memory events of each session's tree in time order, and the span from the first
+    of the cell's frames or line ranges to start to the last to end (None where none)."""
     from torch._C._profiler import _EventType
 
     allocation, pycall, op = _EventType.Allocation, _EventType.PyCall, _EventType.TorchOp
     heads = tuple(f"{n}(" for n in names)  # a Python frame's event is named `file(line): name`
     memory: list[_Memory] = []
     first, last = None, None
-    stack = list(tree)
+    stack = [(ev, i) for i, tree in enumerate(trees) for ev in tree]
     while stack:
-        ev = stack.pop()
+        ev, session = stack.pop()
         tag = ev.tag
         if tag == allocation:
             f = ev.extra_fields
             memory.append(_Memory(ev.start_time_ns, int(f.alloc_size), int(f.total_allocated),
-                                  str(f.device), ev))
+                                  str(f.device), ev, int(f.ptr), session))
             continue
         if (tag == pycall and ev.name.startswith(heads)) or (
                 tag == op and _range_line(ev) is not None):
             start, end = ev.start_time_ns, ev.end_time_ns
             first = start if first is None else min(first, start)
             last = end if last is None else max(last, end)
-        stack.extend(ev.children)
+        stack.extend((child, session) for child in ev.children)
     memory.sort(key=lambda m: m.start_ns)
     return memory, None if first is None or last is None else (first, last)
 
 
-def _event_tree(prof: Any) -> list[Any]:
+def _sessions(prof: Any) -> tuple[list[list[Any]], bool]:
+    """Each recording session's event tree, and whether the last one recorded to the
+    cell's end: %%profile's sessions (`recording.Pieces`: a loop's steps past the window
+    left out after each but the last), else a profiler's one."""
+    trees = getattr(prof, "trees", None)
+    if trees is not None:
+        return trees(), prof.to_end
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is None:
-        return []
-    return list(results.experimental_event_tree())
+    return ([] if results is None else [list(results.experimental_event_tree())]), True
 
 
 def _main_device(by_device: dict[str, list[_Memory]]) -> str:

@@ -44,7 +44,7 @@ def read(
     """Read `recorded`: the events, their analysis, the notes, the trace written (to
     `options.trace`, else `traces`' one kept file), the memory timeline with --memory."""
     tracer, measured, cuda = recorded.tracer, recorded.measured, recorded.cuda
-    pieces = Pieces(recorded.recording.pieces)
+    pieces = Pieces(recorded.recording.pieces, recorded.recording.to_end)
     sessions = pieces.events()
     events = [e for session in sessions for e in session]
     names = tracer.names if tracer is not None else {}

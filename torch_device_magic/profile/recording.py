@@ -102,6 +102,7 @@ class Recording:
         self.own = False  # we are pausing or resuming our own recording
         self.running = False  # a session of ours records
         self.pieces: list[Any] = []  # each session's torch.autograd.profiler.profile, stopped
+        self.to_end = True  # the last session recorded to the end (the cell ended unpaused)
 
     def start(self) -> None:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
@@ -199,6 +200,7 @@ class Recording:
                 return ("%%profile: the cell's own torch.profiler ended this recording "
                         "(torch runs one at a time), so there is no profile of this cell; "
                         "its own profiler works as without %%profile")
+            self.to_end = self.running
             if self.running:
                 with quiet_stderr(self.heard):
                     self.prof.stop()
@@ -231,8 +233,9 @@ class Pieces:
     """The sessions of one capture (`Recording.pieces`) read as one: their events on the
     first one's clock, one trace, one event tree."""
 
-    def __init__(self, pieces: list[Any]) -> None:
+    def __init__(self, pieces: list[Any], to_end: bool = True) -> None:
         self.pieces = pieces
+        self.to_end = to_end  # the last session recorded to the cell's end (not paused)
 
     def events(self) -> list[list[Event]]:
         """Each session's events, on the first one's clock."""
@@ -265,14 +268,6 @@ class Pieces:
                     # the metadata, the first session's
                 out.write(json.dumps(trace, separators=(",", ":")).encode())
 
-    # memtimeline reads prof.profiler.kineto_results.experimental_event_tree()
-    @property
-    def profiler(self) -> Pieces:
-        return self
-
-    @property
-    def kineto_results(self) -> Pieces:
-        return self
-
-    def experimental_event_tree(self) -> list[Any]:
-        return [n for p in self.pieces for n in p.kineto_results.experimental_event_tree()]
+    def trees(self) -> list[list[Any]]:
+        """Each session's event tree (memtimeline's)."""
+        return [p.kineto_results.experimental_event_tree() for p in self.pieces]

@@ -147,16 +147,20 @@ class ProfileReport:
         return sum(sum(loop.steps) for loop in self.loops)
 
     def _recorded(self) -> str:
-        """'steps 1–6 of 2,000 of the loop on line 5, all 7 of the loop on line 1'"""
+        """'steps 1–6 (of 2,000) of the loop on line 5, all 7 of the loop on line 1', and
+        with -n 3: '1–6 of each of 3 runs (20 each, 60 in all)'"""
         said = []
         for loop in self.loops:
             total, most = sum(loop.steps), max(loop.steps, default=0)
             if most <= self.full_steps + 1:
                 said.append(f"all {total:,} of the loop on line {loop.line}")
                 continue
-            each = "" if len(loop.steps) == 1 else f" of each of {len(loop.steps)} runs"
-            said.append(f"1–{self.full_steps + 1}{each} (of {total:,}) of the loop on line "
-                        f"{loop.line}")
+            if len(loop.steps) == 1:
+                each, of = "", f"of {total:,}"
+            else:  # not "(of 60)" for 3 runs of 20: nobody ran a loop of 60
+                each = f" of each of {len(loop.steps)} runs"
+                of = (f"{most:,} each, " if min(loop.steps) == most else "") + f"{total:,} in all"
+            said.append(f"1–{self.full_steps + 1}{each} ({of}) of the loop on line {loop.line}")
         return "steps " + ", ".join(said)
 
     def _more(self) -> str:

@@ -233,7 +233,8 @@ class _Kineto:
 
     def __getattr__(self, name: str):
         values = {"start_thread_id": 1, "end_thread_id": 1, "is_async": False, "nbytes": 0,
-                  "metadata_json": "", "shapes": [], "dtypes": [], **self._v}
+                  "metadata_json": "", "shapes": [], "dtypes": [], "concrete_inputs": [],
+                  **self._v}
         return lambda: values[name]
 
     def device_type(self):

@@ -57,6 +57,17 @@ def fmt_seconds(s: float | None) -> str:
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 
 
+def fmt_flops(n: float, per_second: bool = False) -> str:
+    """`fmt_flops(6.7e8) == '670 MFLOP'`, `fmt_flops(4.12e10, True) == '41.2 GFLOP/s'`: three
+    significant figures, in the unit where the figure is under 1,000."""
+    unit = "FLOP/s" if per_second else "FLOP"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
 def parse_bytes(text: str) -> int:
     """`parse_bytes('1.5MiB') == 1572864`: bytes, KiB/MiB/GiB/TiB, or kB/MB/GB/TB (powers of 10)."""
     match = _SIZE.fullmatch(text)

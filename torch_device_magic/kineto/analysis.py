@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..units import plural
-from . import names
+from . import flops, names
 from .events import Event
 
 
@@ -25,6 +25,7 @@ class OpRow:
     device_s: float | None  # None: no device activity recorded
     allocated_bytes: int  # allocations made by the op itself (frees not subtracted)
     shapes: str  # the most frequent input shapes, and how often
+    flops: int = 0  # its counted floating-point operations (kineto.flops; 0: none counted)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,14 @@ class LineRow:
     cpu_s: float  # torch ops' self CPU time
     device_s: float | None
     allocated_bytes: int
+    flops: int = 0  # the counted floating-point operations of its ops (0: none)
+
+    @property
+    def flops_per_second(self) -> float | None:
+        """Its FLOPs over its ops' device time, where recorded, else their CPU time: both
+        of the events recorded, as the FLOPs are. None where it did no counted work."""
+        took = self.device_s if self.device_s else self.cpu_s
+        return self.flops / took if self.flops and took else None
 
 
 @dataclass(slots=True)
@@ -70,6 +79,7 @@ class Analysis:
     # innermost line range (the advice's)
     recorded_s: float | None = None  # the wall the events cover, where the profiler paused
     # (a loop's steps past its window); None: the whole wall
+    work: flops.Work = field(default_factory=flops.Work)  # the counted floating-point work
 
 
 def analyse(
@@ -107,10 +117,18 @@ def analyse(
     memory = [e for e in events if e.kind == "memory"]
     for m in memory:
         m.line = timeline.at(m.start_ns)
+    work = flops.count(ops)
+    lines = _line_rows(timeline, ops, device, memory, line_names, recorded)
+    by_line = {line_names[name]: n for name, n in work.by_line.items() if name in line_names}
+    for row in lines:
+        row.flops = by_line.get((row.where, row.code), 0)
+    op_rows = _op_rows(ops, recorded, sort, top)
+    for op in op_rows:
+        op.flops = work.by_op[op.name]
     return Analysis(
-        ops=_op_rows(ops, recorded, sort, top),
+        ops=op_rows,
         kernels=_kernel_rows(device, by_id, top),
-        lines=_line_rows(timeline, ops, device, memory, line_names, recorded),
+        lines=lines,
         op_calls=len(ops),
         device_recorded=recorded,
         device_busy_s=_union_ns(device) / 1e9 if recorded else None,
@@ -122,6 +140,7 @@ def analyse(
         syncs=sum(1 for e in events if e.kind == "runtime" and e.name in names.SYNC_CALLS),
         stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
         line_at=timeline.at,
+        work=work,
     )
 
 

@@ -37,6 +37,8 @@ class Event:
     nbytes: int = 0  # memory: + allocated, - freed; memcpy: bytes copied (0: unknown)
     on_device: bool = False  # memory: on an accelerator (else host)
     dtypes: tuple[str, ...] = ()  # an op's inputs', as kineto names them ('float', 'c10::Half')
+    concrete: tuple[Any, ...] = ()  # a counted op's (names.FLOP_OPS) scalar arguments, in
+    # place (a tensor's: None): stride, padding, a convolution's transposed flag
     # filled by the analysis
     self_ns: int = 0
     alloc_bytes: int = 0
@@ -55,6 +57,7 @@ def from_kineto(result: Any, origin: int | None = None) -> list[Event]:
     cpu = torch.autograd.DeviceType.CPU
     older = bool(events) and not hasattr(events[0], "activity_type")  # older torch
     linked = bool(events) and hasattr(events[0], "linked_correlation_id")
+    concrete = bool(events) and hasattr(events[0], "concrete_inputs")
     out: list[Event] = []
     append = out.append
     for e in events:
@@ -86,6 +89,8 @@ def from_kineto(result: Any, origin: int | None = None) -> list[Event]:
             tuple(map(tuple, e.shapes())) if kind == "op" else (),
             _copied_bytes(e) if kind == "memcpy" else 0,
             dtypes=tuple(e.dtypes()) if kind == "op" and name in names.DTYPES_READ else (),
+            concrete=tuple(e.concrete_inputs()) if concrete and kind == "op"
+            and name in names.FLOP_OPS else (),
         ))
     return out
 

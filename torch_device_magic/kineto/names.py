@@ -56,7 +56,28 @@ PROFILERS_OWN = frozenset({"Activity Buffer Request", "INVALID", "Lazy Function 
 COPY_SOURCE = {"aten::copy_": 1, "aten::_to_copy": 0, "aten::_local_scalar_dense": 0}
 # the ops whose inputs' dtypes from_kineto reads (a copy's size, a matmul's tensor cores):
 # asking costs about 3 µs an event, so only theirs
-DTYPES_READ = MATMULS | frozenset(COPY_SOURCE)
+# the ops whose work torch.utils.flop_counter has a formula for (its registry's aten ops, in
+# torch 2.4 to 2.13), and torch's CPU kernels of attention, counted by the flash kernel's
+FLOP_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+    "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
+    "aten::convolution_overrideable", "aten::_slow_conv2d_forward", "aten::convolution_backward",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::_scaled_dot_product_cudnn_attention_backward", "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward", "aten::_flash_attention_backward",
+    "aten::_efficient_attention_backward",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+})
+# what the overview calls the counted ops, where they are all of one kind
+FLOP_KINDS = {"aten::mm": "matmul", "aten::addmm": "matmul", "aten::bmm": "matmul",
+              "aten::baddbmm": "matmul", "aten::_scaled_mm": "matmul",
+              "aten::convolution": "convolution", "aten::_convolution": "convolution",
+              "aten::convolution_backward": "convolution"}
+DTYPES_READ = MATMULS | FLOP_OPS | frozenset(COPY_SOURCE)
 # kineto's names of the dtypes (caffe2's TypeMeta names), and their bytes an element
 ITEMSIZE = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,

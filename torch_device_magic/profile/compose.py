@@ -12,6 +12,7 @@ from ..advice import compiles
 from ..advice.profile_rules import Advice, advise, data_parallel, read_setting
 from ..errors import first_sentence
 from .capture import Capture, Recorded
+from .lines import LineTracer
 from .reading import Read, read
 from .tables import ProfileReport
 from .traces import TraceFiles
@@ -68,7 +69,25 @@ def _report(
         events=len(got.events),
         step_events=tracer.step_events(got.sessions) if tracer is not None else 0,
         advice=advice,
+        flops_per_step=_flops_per_step(got, tracer, opts.steps),
     )
+
+
+def _flops_per_step(got: Read, tracer: LineTracer | None, full_steps: int) -> float | None:
+    """Under the steps window, the counted FLOPs of one recorded step of the windowed
+    loops: those of their lines, over the steps recorded in full (each loop's first and
+    `full_steps` more, each time entered)."""
+    if tracer is None or not tracer.windowed or not got.analysis.work.flops:
+        return None
+    lines: set[str] = set()
+    steps = 0
+    for header, entries in tracer.loop_steps.items():
+        if max(entries) > full_steps + 1:
+            body = range(header + tracer.shift, tracer.loops[header].stop + tracer.shift)
+            lines |= {str(n) for n in body}
+            steps += sum(min(n, full_steps + 1) for n in entries)
+    flops = sum(r.flops for r in got.analysis.lines if r.where in lines)
+    return flops / steps if flops and steps else None
 
 
 def _advice(

@@ -131,7 +131,7 @@ class LineTracer:
             out.append(LineRow(
                 where=where, code=code, hits=self.hits[name], wall_s=self.wall_ns[name] / 1e9,
                 cpu_s=row.cpu_s if row else 0.0, device_s=row.device_s if row else None,
-                allocated_bytes=row.allocated_bytes if row else 0,
+                allocated_bytes=row.allocated_bytes if row else 0, flops=row.flops if row else 0,
             ))
         return out
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..advice.profile_rules import Advice
+from ..kineto import names
 from ..kineto.analysis import Analysis, KernelRow, LineRow, OpRow
 from ..measure import Measurement
 from ..reports import Table
-from ..units import fmt_bytes, fmt_seconds, plural
+from ..units import fmt_bytes, fmt_flops, fmt_seconds, plural
 from .lines import LoopSteps
 from .traces import LARGE_BYTES
 
@@ -47,6 +48,22 @@ class ProfileReport:
     events: int = 0  # the events read
     step_events: int = 0  # of them, those of the windowed loops' steps recorded in full
     advice: list[Advice] = field(default_factory=list)  # what to change (advice)
+    # under the steps window: the counted FLOPs of a recorded step of the windowed loops
+    flops_per_step: float | None = None
+    mfu: float | None = None  # not claimed: no table of device peaks yet
+    peak_flops: float | None = None
+
+    @property
+    def flops(self) -> int:
+        """The counted floating-point operations of what was recorded."""
+        return self.analysis.work.flops
+
+    @property
+    def flops_per_second(self) -> float | None:
+        """The counted FLOPs over the wall they were recorded in (the recorded wall where
+        a loop's steps were left out); None where nothing was counted."""
+        covered = self.analysis.recorded_s or self.wall_s
+        return self.flops / covered if self.flops and covered else None
 
     @property
     def ops(self) -> list[OpRow]:
@@ -86,11 +103,27 @@ class ProfileReport:
             parts.append(f"{a.copies:,} host-device cop{'y' if a.copies == 1 else 'ies'}{size}")
             parts.append(plural(a.syncs, "synchronisation"))
         parts.append(plural(a.op_calls, "op call"))
+        if self.flops:
+            parts.append(self._work())
         if self.trace_path is not None:
             said = [fmt_bytes(self.trace_bytes)] if self.trace_bytes >= LARGE_BYTES else []
             said += ["until the next %%profile"] if self.trace_temporary else []
             parts.append(f"trace {self.trace_path}" + (f" ({', '.join(said)})" if said else ""))
         return " | ".join(parts)
+
+    def _work(self) -> str:
+        """'0.67 GFLOP in 20 matmuls, 41.2 GFLOP/s', and under the steps window a step's."""
+        work = self.analysis.work
+        kinds = {names.FLOP_KINDS.get(name, "counted op") for name in work.by_op}
+        kind = kinds.pop() if len(kinds) == 1 else "counted op"
+        said = f"{fmt_flops(work.flops)} in {plural(work.ops, kind)}"
+        rate = self.flops_per_second
+        if self.full_steps:
+            step = (f"{fmt_flops(self.flops_per_step)} a step of the loop, "
+                    if self.flops_per_step else "")
+            return (f"{step}{said} recorded, {fmt_flops(rate or 0, True)} over the recorded "
+                    f"wall")
+        return f"{said}, {fmt_flops(rate or 0, True)}"
 
     def tables(self) -> list[Table]:
         a = self.analysis
@@ -101,11 +134,15 @@ class ProfileReport:
             out.insert(0, Table(f"PARTIAL: {self.partial}", [], []))
         if a.lines:
             out.append(self._line_table())
+        counted = bool(self.flops)
         head = _timed(["op", "calls", "self CPU", "total CPU"], "device", device,
-                      ["allocated", "input shapes (most frequent)"])
+                      ["allocated", *(["FLOPs"] if counted else []),
+                       "input shapes (most frequent)"])
         rows = [_timed([r.name, r.calls, fmt_seconds(r.self_cpu_s), fmt_seconds(r.total_cpu_s)],
                        fmt_seconds(r.device_s), device,
-                       [_bytes(r.allocated_bytes), r.shapes or "-"])
+                       [_bytes(r.allocated_bytes),
+                        *([fmt_flops(r.flops) if r.flops else ""] if counted else []),
+                        r.shapes or "-"])
                 for r in a.ops]
         sort = "self" if self.sort == "device" and not device else self.sort  # as sorted
         out.append(Table(f"top ops by {_SORT_WORDS[sort]}", head, rows))
@@ -124,16 +161,22 @@ class ProfileReport:
     def _line_table(self) -> Table:
         a = self.analysis
         device = a.device_recorded
+        counted = bool(self.flops)
         head = _timed(["line", "hits", "wall", "torch CPU"], "device", device,
-                      ["allocated", "code"])
+                      ["allocated", *(["FLOP/s"] if counted else []), "code"])
         rows = [_timed([r.where, r.hits, fmt_seconds(r.wall_s), fmt_seconds(r.cpu_s)],
-                       fmt_seconds(r.device_s), device, [_bytes(r.allocated_bytes), _short(r.code)])
+                       fmt_seconds(r.device_s), device,
+                       [_bytes(r.allocated_bytes),
+                        *([_rate(r.flops_per_second)] if counted else []), _short(r.code)])
                 for r in a.lines]
         notes = []
         if self.full_steps:
             notes.append(f"hits and wall: every step; torch CPU{', device' if device else ''} "
                          f"and allocated: {self._recorded()}, each line's first run and the "
                          f"code outside the loops; {self._more()}")
+        if counted:
+            notes.append("FLOP/s: a line's counted FLOPs over its ops' "
+                         f"{'device' if device else 'CPU'} time, of what was recorded")
         slowest = self.slowest_line()
         if slowest is not None and self.wall_s:
             notes.append(f"slowest: line {slowest.where}, {slowest.wall_s / self.wall_s:.0%} of "
@@ -203,6 +246,10 @@ def _timed(lead: list, device_cell: object, device: bool, rest: list) -> list:
     """A row (or header) of the op and line tables: the device column only where the
     device's activity was recorded."""
     return [*lead, *([device_cell] if device else []), *rest]
+
+
+def _rate(per_second: float | None) -> str:
+    return fmt_flops(per_second, True) if per_second else ""
 
 
 def _bytes(n: int | None) -> str:

@@ -735,29 +735,29 @@ BIG = 300_000
 RESTORE_INTERRUPTED = "Ctrl-C during --restore: it finished first, everything went back"
 
 
-def interrupted_move(ns: dict, restorable: bool, delay: float, when):
+def interrupted_move(ns: dict, restorable: bool, delay: float, when,
+                     timers: list[threading.Timer] | None = None):
     """`move` with a real SIGINT sent `delay` seconds after `when` (the start, or the first
-    swap): the result, or None where the interrupt stopped it."""
-    def send() -> threading.Timer:
+    swap, whose timer the caller arms into `timers`): the result, or None where the
+    interrupt stopped it. A signal that comes only after `move` returned (a loaded machine
+    runs the timer late) is not the move's."""
+    timers = [] if timers is None else timers
+    if when == "start":
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         timers.append(timer)
-        return timer
-
-    timers: list[threading.Timer] = []
     try:
-        if when == "start":
-            send()
         result = move(ns, ["big"], META, restorable=restorable)
+    except KeyboardInterrupt:
+        result = None
+    try:
         for timer in timers:
             timer.join()  # the signal is sent; Python handles it within a few bytecodes
         for _ in range(10_000):
             pass
-        return result
     except KeyboardInterrupt:
-        for timer in timers:
-            timer.join()
-        return None
+        pass  # sent after the move had returned
+    return result
 
 
 @pytest.mark.parametrize(("when", "delay", "restorable"), [
@@ -781,9 +781,7 @@ def test_a_real_sigint_during_a_big_move_moves_all_or_nothing(
         armed: list[threading.Timer] = []
         for module in (moving.commit, moving.restoring):  # where it is called
             monkeypatch.setattr(module, "_swap_all", swapping)
-    result = interrupted_move(ns, restorable, delay, when)
-    if when == "commit":
-        armed[0].join()
+    result = interrupted_move(ns, restorable, delay, when, armed if when == "commit" else None)
     assert ns["big"] is tensors
     devices = {t.device.type for t in tensors}
     assert devices == ({"meta"} if result is not None else {"cpu"})  # never a mix

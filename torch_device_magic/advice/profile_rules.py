@@ -163,9 +163,11 @@ def name_kinds(values: Iterable[tuple[str, Any]]) -> dict[str, str]:
     return out
 
 
-def loader(values: Iterable[tuple[str, Any]]) -> Loader | None:
+def loader(values: Iterable[tuple[str, Any]],
+           namespace: Mapping[str, Any] | None = None) -> Loader | None:
     """The first single-process DataLoader among these (name, value) pairs, else the first
-    dataset of tensors in memory (a loader the cell makes itself reads it)."""
+    dataset of tensors in memory (a loader the cell makes itself reads it); its dataset
+    named as a name of the `namespace` holds it, where one does."""
     from torch.utils.data import (
         DataLoader,
         RandomSampler,
@@ -181,10 +183,11 @@ def loader(values: Iterable[tuple[str, Any]]) -> Loader | None:
         return isinstance(ds, TensorDataset)
 
     pairs = list(values)
+    named = [*pairs, *((n, v) for n, v in (namespace or {}).items() if not n.startswith("_"))]
     for name, value in pairs:
         if not isinstance(value, DataLoader) or value.num_workers:
             continue
-        ds = next((n for n, v in pairs if v is value.dataset), f"{name}.dataset")
+        ds = next((n for n, v in named if v is value.dataset), f"{name}.dataset")
         if value.batch_size is None:
             return Loader(ds, in_memory(value.dataset), batched=True)
         if not in_memory(value.dataset) or value.collate_fn is not default_collate:
@@ -304,7 +307,8 @@ def warm_up(f: _Facts) -> Advice | None:
     rest = ("this was a cold first run, whose launch and host figures do not hold"
             if f.cold() else "a cost of the first run only")
     return Advice("warm-up", total / wall, WARM_UP_WALL, line, (
-        f"{said}: {rest}; run the cell again for a warm run's figures"))
+        f"{said}: {rest}; run the cell again for a warm run's figures (a training cell "
+        "trains once more)"))
 
 
 def _on(line: str | None) -> str:
@@ -602,9 +606,16 @@ def _scatter(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
     example = (f"{into.id}.index_put_(({', '.join(held)}{',' if len(held) == 1 else ''}), "
                f"{values}, accumulate=True)")
     return (f"gather the indices of every run and update once: {example}, where "
-            f"{', '.join(held)} hold the values of {', '.join(map(ast.unparse, index))} over "
-            f"the loop, as tensors{also} (accumulate=True adds up repeated indices), not one "
-            "element a call"), example
+            f"{_holding(held, index)}{also} (accumulate=True adds up repeated indices), not "
+            "one element a call"), example
+
+
+def _holding(held: list[str], index: list[ast.expr]) -> str:
+    """'I1, I2 hold the values of ix1, ix2 over the loop, as tensors'."""
+    one = len(held) == 1
+    return (f"{', '.join(held)} {'holds' if one else 'hold'} the values of "
+            f"{', '.join(map(ast.unparse, index))} over the loop, as "
+            f"{'a tensor' if one else 'tensors'}")
 
 
 def _factory(line: _Line, op: str, per_run: Callable[[str], int | None]) -> Remedy | None:
@@ -717,9 +728,8 @@ def _gathered(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
         parts = [held.get(id(e)) or ast.unparse(e) for e in index]
         example = f"{node.value.id}[{', '.join(parts)}]"
         return (f"index once with tensors of every run's indices: {example}, where "
-                f"{', '.join(held.values())} hold the values of "
-                f"{', '.join(map(ast.unparse, moving))} over the loop, as tensors (then the "
-                "rest of the line on the result), not one index a call"), example
+                f"{_holding(list(held.values()), moving)} (then the rest of the line on the "
+                "result), not one index a call"), example
     return None
 
 
@@ -741,12 +751,14 @@ def input_pipeline(f: _Facts) -> Advice | None:
         return None
     ids = {id(e) for e in nexts}
     rows = ops = other = 0.0
+    batches: set[int] = set()  # the calls of __next__ that called ops (not the last, empty)
     for e in f.of_kind("op"):  # the ops each batch called itself (not inside another op)
         up = e.parent
         while up is not None and up.kind == "line":  # a dataset of the cell's: its lines
             up = up.parent
         if up is None or id(up) not in ids:
             continue
+        batches.add(id(up))
         ops += e.end_ns - e.start_ns
         if e.name in names.INDEXING:
             rows += 1
@@ -759,7 +771,7 @@ def input_pipeline(f: _Facts) -> Advice | None:
     line, seen = f.top_line(by_line), f.setting.loader
     head = (f"the DataLoader{_on(line)} took {share:.0%} of the wall (over {LOADER_SHARE:.0%}) "
             "in this process")
-    per_row = rows >= INDEXED_ROWS * len(nexts) and not (seen is not None and seen.batched)
+    per_row = rows >= INDEXED_ROWS * len(batches) and not (seen is not None and seen.batched)
     if per_row and ((seen is not None and seen.in_memory) or work < took / 2):
         ds = seen.dataset if seen is not None else "dataset"
         example = seen.remedy if seen is not None else None
@@ -768,14 +780,14 @@ def input_pipeline(f: _Facts) -> Advice | None:
                               "" if seen is not None else ", where the dataset takes a list "
                               "of indices (a TensorDataset does)"))
         return Advice("input pipeline", share, LOADER_SHARE, line, (
-            f"{head}, indexing tensors in memory one row at a time ({int(rows):,} index calls, "
-            f"a stack a batch): index each batch at once, {how} (BatchSampler and "
+            f"{head}, indexing tensors in memory one row at a time ({rows / len(batches):,.0f} "
+            f"index calls and a stack a batch): index each batch at once, {how} (BatchSampler and "
             "RandomSampler from torch.utils.data), or index the tensors with slices of "
             "torch.randperm(n); workers would not speed it (each batch would cross to this "
             "process)"), example)
     rest = max(wall - took, 0.0)  # the loop's other work, which workers would overlap
     # as many workers as bring the loading under the rest, or as the cores allow
-    workers = max(min(f.setting.cores - 1, math.ceil(took / max(rest, 1e-9))), 1)
+    workers = max(min(f.setting.cores - 1, math.ceil(took / max(rest, 1e-9) - 1e-9)), 1)
     after = (max(rest + len(nexts) * WORKER_BATCH_S, took / workers)
              + workers * WORKER_START_S)
     if work < took / 2 or wall - after < LOADER_SHARE * wall:

@@ -93,7 +93,8 @@ def _advice(
         # read after the run: the cell may have made the model
         values = [(n, namespace[n]) for n in sorted(reads) if n in namespace]
         setting.data_parallel = data_parallel(values)
-        setting.source, setting.kinds, setting.loader = source, name_kinds(values), loader(values)
+        setting.source, setting.kinds, setting.loader = source, name_kinds(values), loader(
+            values, namespace)
         names = tracer.names if tracer is not None else {}
         return advise(got.events, got.analysis, names, setting)
     except Exception as err:  # ours: the profile itself is still shown

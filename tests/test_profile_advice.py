@@ -37,6 +37,11 @@ def threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def one_thread(threads):
+    torch.set_num_threads(1)
+
+
 # --- the CPU rules, on real cells -----------------------------------------------------------
 
 
@@ -426,7 +431,7 @@ def test_a_loader_with_workers_is_not_advised(ip):
 
 TEXTBOOK = """from torch.utils.data import DataLoader, TensorDataset
 torch.manual_seed(0)
-X, Y = torch.randn(2048, 20), torch.randint(0, 2, (2048,))
+X, Y = torch.randn(4096, 20), torch.randint(0, 2, (4096,))
 ds = TensorDataset(X, Y)
 {loader}
 model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
@@ -436,40 +441,42 @@ STEP = "    loss = torch.nn.functional.cross_entropy(model(xb), yb)\n    loss.ba
 
 def loader_advice(ip, cell: str) -> Advice | None:
     """The input-pipeline advice on `cell`, run once before (a warm run: autograd's first
-    backward is slow)."""
+    backward is slow), on one thread (a busy machine's cores stretch a small matmul on two
+    threads from 20 µs to 7 ms, and the model's share with it)."""
     ip.run_cell(cell)
     found = [a for a in profile(ip, "", cell).advice if a.rule == "input pipeline"]
     return found[0] if found else None
 
 
-def test_a_tensor_dataset_is_advised_one_index_a_batch_not_workers(ip):
+def test_a_tensor_dataset_is_advised_one_index_a_batch_not_workers(ip, one_thread):
     """Issue 36, 4: the textbook loop's time in its DataLoader is per-row indexing of
     tensors in memory (two selects a row, a stack a batch); workers made it 5x slower.
     The loader advised, typed, gives the same batches: each row once, 64 a batch."""
-    ip.run_cell(TEXTBOOK.format(loader="loader = DataLoader(ds, batch_size=64, shuffle=True)"))
+    ip.run_cell(TEXTBOOK.format(loader="loader = DataLoader(ds, batch_size=256, shuffle=True)"))
     pipe = loader_advice(ip, f"for xb, yb in loader:\n{STEP}")
-    assert pipe.example == ("DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), 64, "
+    assert pipe.example == ("DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), 256, "
                             "drop_last=False), batch_size=None)")
-    assert ("indexing tensors in memory one row at a time (128 index calls and a stack a "
+    assert ("indexing tensors in memory one row at a time (512 index calls and a stack a "
             "batch)") in pipe.text
     assert f"index each batch at once, {pipe.example}" in pipe.text
     assert "num_workers" not in pipe.text and "workers would not speed it" in pipe.text
     ip.run_cell("from torch.utils.data import BatchSampler, RandomSampler")
     batches = list(eval(pipe.example, ip.user_ns))
-    assert [len(xb) for xb, _ in batches] == [64] * 32
+    assert [len(xb) for xb, _ in batches] == [256] * 16
     rows = torch.cat([xb for xb, _ in batches])
     assert torch.equal(rows[rows[:, 0].argsort()], ip.user_ns["X"][ip.user_ns["X"][:, 0].argsort()])
 
 
 @pytest.mark.parametrize("loader, said", [
-    ("loader = DataLoader(torch.utils.data.Subset(ds, range(1024)), batch_size=32)",
-     "DataLoader(loader.dataset, sampler=BatchSampler(SequentialSampler(loader.dataset), 32, "
+    ("loader = DataLoader(torch.utils.data.Subset(ds, range(3000)), batch_size=200)",
+     "DataLoader(loader.dataset, sampler=BatchSampler(SequentialSampler(loader.dataset), 200, "
      "drop_last=False), batch_size=None)"),
-    ("loader = DataLoader(ds, batch_size=64, shuffle=True, drop_last=True)",
-     "DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), 64, drop_last=True), "
+    ("loader = DataLoader(ds, batch_size=300, shuffle=True, drop_last=True)",
+     "DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), 300, drop_last=True), "
      "batch_size=None)"),
 ], ids=["a subset, in order", "drop_last"])
-def test_the_one_index_a_batch_loader_keeps_the_loaders_order_and_batches(ip, loader, said):
+def test_the_one_index_a_batch_loader_keeps_the_loaders_order_and_batches(ip, loader, said,
+                                                                         one_thread):
     ip.run_cell(TEXTBOOK.format(loader=loader))
     pipe = loader_advice(ip, f"for xb, yb in loader:\n{STEP}")
     assert pipe.example == said
@@ -478,22 +485,23 @@ def test_the_one_index_a_batch_loader_keeps_the_loaders_order_and_batches(ip, lo
     assert typed == [len(xb) for xb, _ in ip.user_ns["loader"]]
 
 
-def test_a_loader_made_in_the_cell_over_a_tensor_dataset_is_advised_one_index_a_batch(ip):
+def test_a_loader_made_in_the_cell_over_a_tensor_dataset_is_advised_one_index_a_batch(
+        ip, one_thread):
     ip.run_cell(TEXTBOOK.format(loader=""))
-    cell = f"for xb, yb in DataLoader(ds, batch_size=64, shuffle=True):\n{STEP}"
+    cell = f"for xb, yb in DataLoader(ds, batch_size=256, shuffle=True):\n{STEP}"
     pipe = loader_advice(ip, cell)
     assert ("DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), batch_size, "
             "drop_last=False), batch_size=None)") in pipe.text
     assert pipe.example is None and "num_workers" not in pipe.text
 
 
-def test_a_dataset_that_indexes_tensors_is_read_from_its_ops(ip):
+def test_a_dataset_that_indexes_tensors_is_read_from_its_ops(ip, one_thread):
     """A dataset of the notebook's that only indexes its tensors reads as a TensorDataset
     does, from the ops each batch called."""
     ip.run_cell(TEXTBOOK.format(loader="") + "\n" + (
-        "class Rows(torch.utils.data.Dataset):\n    def __len__(self):\n        return 2048\n"
+        "class Rows(torch.utils.data.Dataset):\n    def __len__(self):\n        return 4096\n"
         "    def __getitem__(self, i):\n        return X[i], Y[i]\n"
-        "loader = DataLoader(Rows(), batch_size=64)"))
+        "loader = DataLoader(Rows(), batch_size=256)"))
     pipe = loader_advice(ip, f"for xb, yb in loader:\n{STEP}")
     assert "indexing tensors in memory one row at a time" in pipe.text
     assert "num_workers" not in pipe.text
@@ -504,7 +512,7 @@ def test_a_loader_that_indexes_a_batch_at_once_is_not_advised(ip):
     crossing."""
     ip.run_cell(TEXTBOOK.format(loader=(
         "loader = DataLoader(ds, sampler=torch.utils.data.BatchSampler("
-        "torch.utils.data.RandomSampler(ds), 64, drop_last=False), batch_size=None)")))
+        "torch.utils.data.RandomSampler(ds), 256, drop_last=False), batch_size=None)")))
     assert loader_advice(ip, f"for xb, yb in loader:\n{STEP}") is None
 
 

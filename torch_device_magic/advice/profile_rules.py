@@ -785,19 +785,23 @@ def input_pipeline(f: _Facts) -> Advice | None:
             "RandomSampler from torch.utils.data), or index the tensors with slices of "
             "torch.randperm(n); workers would not speed it (each batch would cross to this "
             "process)"), example)
-    rest = max(wall - took, 0.0)  # the loop's other work, which workers would overlap
+    # the figures over the whole cell, where the events cover some of a loop's steps: the
+    # workers start once
+    scale = max(f.setting.wall_s / wall, 1.0) if f.setting.wall_s else 1.0
+    rest = max(wall - took, 0.0) * scale  # the loop's other work, which workers would overlap
+    loading, whole = took * scale, wall * scale
     # as many workers as bring the loading under the rest, or as the cores allow
-    workers = max(min(f.setting.cores - 1, math.ceil(took / max(rest, 1e-9) - 1e-9)), 1)
-    after = (max(rest + len(nexts) * WORKER_BATCH_S, took / workers)
+    workers = max(min(f.setting.cores - 1, math.ceil(loading / max(rest, 1e-9) - 1e-9)), 1)
+    after = (max(rest + len(nexts) * scale * WORKER_BATCH_S, loading / workers)
              + workers * WORKER_START_S)
-    if work < took / 2 or wall - after < LOADER_SHARE * wall:
+    if work < took / 2 or whole - after < LOADER_SHARE * whole:
         return None  # neither remedy would pay
     pin = (", and pin_memory=True with .to(device, non_blocking=True)" if f.setting.cuda
            else "")
     return Advice("input pipeline", share, LOADER_SHARE, line, (
         f"{head}, loading (Python in its dataset past indexing, and ops: decoding, files, "
         f"transforms): give it workers, num_workers={workers} ({f.setting.cores} cores), "
-        f"persistent_workers=True{pin}, to overlap its {fmt_seconds(took)} with the "
+        f"persistent_workers=True{pin}, to overlap its {fmt_seconds(loading)} with the "
         f"{fmt_seconds(rest)} of the rest"))
 
 

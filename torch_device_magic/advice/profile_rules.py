@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -438,8 +438,12 @@ class _Line:
     a function's arguments): its indices, the tensors it takes one at a time."""
 
     stmt: ast.stmt
+    head: list[ast.AST]  # what the line runs: the statement, or a compound one's header
     loops: list[tuple[ast.expr, ast.expr]]
     varying: set[str]
+
+    def nodes(self) -> Iterator[ast.AST]:
+        return (n for h in self.head for n in ast.walk(h))
 
     def iterable(self, var: str) -> ast.expr | None:
         """What the loop binding `var` runs over."""
@@ -463,9 +467,10 @@ def _statements(source: str) -> dict[int, _Line]:
               varying: set[str]) -> None:
         for node in body:
             simple = not hasattr(node, "body")
-            own = _comprehensions([node] if simple else [getattr(node, a) for a in ("iter", "test")
-                                                         if hasattr(node, a)])
-            line = _Line(node, own + loops, varying | _bound(*(t for t, _ in own)))
+            head = [node] if simple else [getattr(node, a) for a in ("iter", "test")
+                                          if hasattr(node, a)]
+            own = _comprehensions(head)
+            line = _Line(node, head, own + loops, varying | _bound(*(t for t, _ in own)))
             last = (node.end_lineno or node.lineno) if simple else node.lineno
             for n in range(node.lineno, last + 1):
                 out.setdefault(n, line)
@@ -621,7 +626,7 @@ def _holding(held: list[str], index: list[ast.expr]) -> str:
 def _factory(line: _Line, op: str, per_run: Callable[[str], int | None]) -> Remedy | None:
     """A factory call whose arguments the loop does not bind (`torch.randint(0, 100, (8,))`
     3,000 times): one call of the batched form of that call, where there is one."""
-    calls = [n for n in ast.walk(line.stmt) if isinstance(n, ast.Call)
+    calls = [n for n in line.nodes() if isinstance(n, ast.Call)
              and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
              and n.func.value.id == "torch" and f"aten::{n.func.attr}" in names.FACTORIES]
     call = next((c for c in calls if f"aten::{c.func.attr}" == op), None)  # type: ignore[attr-defined]
@@ -697,7 +702,7 @@ def _batched_call(call: ast.Call, count: str) -> str | None:
 def _stacked(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
     """A slice or an index of each of many tensors of one shape, the loop's variable
     (`[c[:4] for c in chunks]`): one stack of them, indexed once."""
-    for node in ast.walk(line.stmt):
+    for node in line.nodes():
         if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
                 and isinstance(node.ctx, ast.Load)) or line.varies(node.slice):
             continue
@@ -715,7 +720,7 @@ def _stacked(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
 def _gathered(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
     """An index of one tensor by the loop's values (`P[ix1, ix2]`, `x[i]`): one index by
     tensors of every run's."""
-    for node in ast.walk(line.stmt):
+    for node in line.nodes():
         if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
                 and isinstance(node.ctx, ast.Load) and kinds.get(node.value.id) == "tensor"
                 and not line.varies(node.value)):

@@ -123,9 +123,8 @@ def test_what_the_tutorial_teaches_is_what_happens(ran):
     # ops (not the tiny ones): that outweighed 2,000 calls (15-100 ms). Measured.
     assert "slowest: line 1, " in shown(ran, "profile")
     # the advice: batch it (one run of the line, its comprehension's calls)
-    assert re.search(r"line 1 ran 1 time \(10,00\d iterations .*: 10,000 calls of aten::randn",
-                     shown(ran, "profile"))
-    assert "one batched call (torch.randn(10000, 8), not torch.randn(8) 10,000 times)" in shown(
+    assert "line 1 ran 1 time: 10,000 calls of aten::randn (" in shown(ran, "profile")
+    assert "one batched call: torch.randn(10000, 8), not torch.randn(8) 10,000 times" in shown(
         ran, "profile")
     assert re.search(r"^time .* \(profiled\) \| ", shown(ran, "profile"), re.M)
     assert re.search(r"^batch +\(65536, 8\) +float32", shown(ran, "gpumem"), re.M)

@@ -229,6 +229,9 @@ def test_a_cell_that_starts_cuda_is_told_its_device_side_is_missing(ip, monkeypa
     ip.user_ns["machine"] = machine
     report = profile(ip, "-o", "machine.start_cuda()")
     assert "CUDA started in this cell, after recording began" in str(report)
+    # issue 36, 6: both ways of running it again repeat its side effects, and it says so
+    assert any("(run the cell again, or --warmup 1, which runs it once more first: either way "
+               "a training cell trains once more)" in n for n in report.notes)
     assert not report.analysis.device_recorded
     assert "CUDA started" not in str(profile(ip, "-o", "y = 1"))  # the next cell records it
 

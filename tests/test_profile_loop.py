@@ -237,9 +237,10 @@ def test_the_rules_set_the_recorded_steps_against_the_recorded_wall(ip):
                 return i
         total = 0
         for batch in DataLoader(Slow(), batch_size=1):
+            time.sleep(0.002)  # a step as long as the loading: workers overlap them
             total += int(batch)"""))
     [pipe] = [a for a in report.advice if a.rule == "input pipeline"]
-    assert pipe.line == "10" and pipe.figure > 0.5
+    assert pipe.line == "10" and pipe.figure > 0.3  # of the recorded wall: about half
     assert report.analysis.recorded_s < report.wall_s / 5
 
 

@@ -237,15 +237,15 @@ class CellReporter:
                         return None, (
                             f"no plain run to compare with: In[{k}] {how} after In[{n}] ran "
                             "this code, so its inputs may differ (run the cell again without "
-                            "%%profile)")
+                            "%%profile: a training cell trains once more)")
                 return record.wall_s, f"In[{n}]"
             cold = cold or n
         if cold is None:
             return None, None
         return None, (f"no plain run to compare with: In[{cold}] was this code's first run, "
                       "with one-time costs (run the cell again without %%profile, or "
-                      "--warmup 1, which runs it once more first: a training cell trains "
-                      "once more)")
+                      "--warmup 1, which runs it once more first: either way a training cell "
+                      "trains once more)")
 
     def _touched(self, source: str, names: Collection[str]) -> str | None:
         """What a cell's code (a cell magic's body too) did to one of `names`, in words:

@@ -10,10 +10,12 @@ note under a cell and this advice say the same thing).
 from __future__ import annotations
 
 import ast
+import functools
+import math
 import os
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,8 @@ from .thresholds import (
     DATA_PARALLEL_GPUS,
     DEVICE_BUSY,
     FRAGMENTED,
+    INDEX_GLUE_S,
+    INDEXED_ROWS,
     LOADER_SHARE,
     NEAR_CAPACITY,
     PAGEABLE_BYTES,
@@ -38,6 +42,8 @@ from .thresholds import (
     TINY_SHARE,
     WARM_UP_LINE,
     WARM_UP_WALL,
+    WORKER_BATCH_S,
+    WORKER_START_S,
     capacity_share,
 )
 
@@ -51,6 +57,23 @@ class Advice:
     threshold: float
     line: str | None  # the cell's line it concerns ('3'), where there is one
     text: str
+    # the code the text says to type, where it gives one: it runs as typed in the cell's
+    # namespace (with the tensors the text names: `I1`, `V`) and does what the line did
+    example: str | None = None
+
+
+@dataclass(slots=True)
+class Loader:
+    """A single-process DataLoader the cell reads, or a dataset of tensors in memory that
+    it reads (the input-pipeline rule's): how the cell names the dataset, whether its rows
+    are tensors in memory (a TensorDataset, or a Subset of one), whether the loader takes
+    each batch's indices at once already (batch_size=None), and the loader that would,
+    where it can be written."""
+
+    dataset: str  # 'ds', 'loader.dataset'
+    in_memory: bool
+    batched: bool = False
+    remedy: str | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +102,11 @@ class Setting:
     # the cell's outer loops that ran: each one's lines as the line table numbers them (its
     # header to its body's end) and its steps, every run's together
     loops: list[tuple[range, int]] = field(default_factory=list)
+    source: str = ""  # the cell's code, as the line table numbers it: what each line writes
+    # the names the cell reads that hold a tensor ('tensor') or a list or tuple of tensors of
+    # one shape, dtype and device ('tensors'): what a remedy may index or stack
+    kinds: dict[str, str] = field(default_factory=dict)
+    loader: Loader | None = None  # the DataLoader (or in-memory dataset) the cell reads
 
 
 def read_setting(
@@ -119,6 +147,67 @@ def data_parallel(values: Iterable[tuple[str, Any]]) -> str | None:
     return None
 
 
+def name_kinds(values: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    """Which of these (name, value) pairs hold a tensor ('tensor'), or a list or tuple of
+    tensors that torch.stack takes ('tensors': one shape, dtype and device)."""
+    import torch
+
+    out = {}
+    for name, value in values:
+        if isinstance(value, torch.Tensor):
+            out[name] = "tensor"
+        elif (isinstance(value, (list, tuple)) and 0 < len(value) <= 100_000
+              and all(isinstance(v, torch.Tensor) for v in value)
+              and len({(v.shape, v.dtype, v.device) for v in value}) == 1):
+            out[name] = "tensors"
+    return out
+
+
+def loader(values: Iterable[tuple[str, Any]],
+           namespace: Mapping[str, Any] | None = None) -> Loader | None:
+    """The first single-process DataLoader among these (name, value) pairs, else the first
+    dataset of tensors in memory (a loader the cell makes itself reads it); its dataset
+    named as a name of the `namespace` holds it, where one does."""
+    from torch.utils.data import (
+        DataLoader,
+        RandomSampler,
+        SequentialSampler,
+        Subset,
+        TensorDataset,
+    )
+    from torch.utils.data._utils.collate import default_collate
+
+    def in_memory(ds: Any) -> bool:
+        while isinstance(ds, Subset):  # random_split's: a list of indices reaches its dataset
+            ds = ds.dataset
+        return isinstance(ds, TensorDataset)
+
+    pairs = list(values)
+    named = [*pairs, *((n, v) for n, v in (namespace or {}).items() if not n.startswith("_"))]
+    for name, value in pairs:
+        if not isinstance(value, DataLoader) or value.num_workers:
+            continue
+        ds = next((n for n, v in named if v is value.dataset), f"{name}.dataset")
+        if value.batch_size is None:
+            return Loader(ds, in_memory(value.dataset), batched=True)
+        if not in_memory(value.dataset) or value.collate_fn is not default_collate:
+            return Loader(ds, in_memory(value.dataset))
+        sampler: Any = value.sampler
+        kind = type(sampler)
+        if kind is RandomSampler and not sampler.replacement and sampler.generator is None \
+                and sampler._num_samples is None:
+            order = f"RandomSampler({ds})"
+        elif kind is SequentialSampler:
+            order = f"SequentialSampler({ds})"
+        else:
+            order = f"{name}.sampler"
+        pin = ", pin_memory=True" if value.pin_memory else ""
+        return Loader(ds, True, remedy=(
+            f"DataLoader({ds}, sampler=BatchSampler({order}, {value.batch_size}, "
+            f"drop_last={value.drop_last}), batch_size=None{pin})"))
+    return next((Loader(name, True) for name, value in pairs if in_memory(value)), None)
+
+
 def cores() -> int:
     """The cores this process may use."""
     if hasattr(os, "sched_getaffinity"):
@@ -148,6 +237,7 @@ class _Facts:
     loading: dict[str | None, int] = field(default_factory=dict)  # a line range's
     # first-call loading (ns)
     loaded: list[str] = field(default_factory=list)  # what loaded: its kinds, in words
+    cell: dict[int, _Line] | None = None  # the cell's statements by line, read when asked
 
     def cold(self) -> bool:
         """Most of the run was first-call loading: its launch and host figures mislead."""
@@ -171,6 +261,14 @@ class _Facts:
     def events_wall(self) -> float:
         """The wall the events cover: the recorded time where the profiler paused."""
         return self.analysis.recorded_s or self.setting.wall_s
+
+    def code(self, where: str, code: str) -> _Line | None:
+        """What a line writes: its statement in the cell's code, else (a line of -f's
+        function, a cell that is not Python as it stands) the line's own text alone."""
+        if self.cell is None:
+            self.cell = _statements(self.setting.source)
+        found = self.cell.get(int(where)) if where.isdigit() else None
+        return found or _statements(code.strip()).get(1)
 
     def of_kind(self, *kinds: str) -> list[Event]:
         return [e for kind in kinds for e in self.by_kind.get(kind, ())]
@@ -209,7 +307,8 @@ def warm_up(f: _Facts) -> Advice | None:
     rest = ("this was a cold first run, whose launch and host figures do not hold"
             if f.cold() else "a cost of the first run only")
     return Advice("warm-up", total / wall, WARM_UP_WALL, line, (
-        f"{said}: {rest}; run the cell again for a warm run's figures"))
+        f"{said}: {rest}; run the cell again for a warm run's figures (a training cell "
+        "trains once more)"))
 
 
 def _on(line: str | None) -> str:
@@ -220,32 +319,37 @@ def tiny_ops(f: _Facts) -> Advice | None:
     """Rule 6 (ours): many calls of the same small op, each a few µs, on independent data:
     a line that runs many times a step of the loop it sits in (an inner loop, a
     comprehension), and not a chain where each run takes the last one's result
-    (x = layer(x)); the remedy from what the line does."""
+    (x = layer(x)); a line that called no torch op spends Python's time, not this. The
+    remedy from what the line writes (`_remedy`)."""
     wall = f.setting.wall_s
     if not wall or f.cold():
         return None
-    names = {w: n for n, (w, _) in f.line_names.items()}
+    by_where = {w: n for n, (w, _) in f.line_names.items()}
     counts = None
     for row in sorted(f.analysis.lines, key=lambda r: -r.wall_s):
-        name = names.get(row.where)
+        name = by_where.get(row.where)
         if name is None or row.wall_s / wall < TINY_SHARE or _chained(row.code):
             continue
         counts = counts or _LineCounts(f)
         if row.hits <= counts.steps(name):
             continue
-        op, calls, runs, call_s = counts.of(name, row.hits)
-        each, share = row.wall_s / calls, row.wall_s / wall
-        if calls < TINY_HITS or (each if call_s is None else call_s) >= TINY_CALL_S:
+        found = counts.of(name, row.hits)
+        if found is None or found[1] < TINY_HITS or found[3] >= TINY_CALL_S:
             continue
-        ran = (f"ran {plural(runs, 'time')} ({row.hits:,} iterations of its loop or "
-               f"comprehension)" if runs != row.hits else f"ran {row.hits:,} times")
-        what = (f"{calls:,} calls of {op} at {fmt_seconds(each)} a call"
-                + ("" if call_s is None else f" ({fmt_seconds(call_s)} in the op)")
-                if op else f"at {fmt_seconds(each)} a time")
+        op, calls, runs, call_s = found
+        share = row.wall_s / wall
+        # the line's wall is the tracer's too: said as what it is, a run's (a call's in a
+        # comprehension, whose runs are few), beside the op's own median call
+        each = (f"{fmt_seconds(row.wall_s / calls)} a call" if runs != row.hits
+                else f"{fmt_seconds(row.wall_s / row.hits)} a run")
+        ran = plural(runs, "time") if runs != row.hits else f"{row.hits:,} times"
+        text, example = _remedy(f.code(row.where, row.code), f.setting.kinds, op,
+                                functools.partial(counts.per_run, name, hits=row.hits))
         return Advice("tiny ops", share, TINY_SHARE, row.where, (
-            f"line {row.where} {ran}: {what} took {share:.0%} of the wall (over "
-            f"{TINY_SHARE:.0%}), mostly the per-call overhead of small ops; "
-            f"{_batched(f, row.code, op, calls // runs)}"))
+            f"line {row.where} ran {ran}: {calls:,} calls of {op} ({fmt_seconds(call_s)} "
+            f"in the op, their median; the line's wall under the tracer {each}) took "
+            f"{share:.0%} of the wall (over {TINY_SHARE:.0%}), mostly the per-call overhead "
+            f"of small ops; {text}"), example)
     return None
 
 
@@ -284,19 +388,28 @@ class _LineCounts:
         return max((steps for loop, steps in self.facts.setting.loops
                     for n in lines if n in loop), default=1)
 
-    def of(self, name: str, hits: int) -> tuple[str | None, int, int, float | None]:
-        """The op a line range spent most in, its calls and the line's runs, over every step
-        (the events' counts scaled by the line's hits where the events cover fewer
-        steps), and the median time of one of the op's calls recorded (None: no op)."""
-        if not self.events[name]:
-            return None, hits, hits, None
+    def _scale(self, name: str, hits: int) -> tuple[float, int]:
+        """The events' counts to every step (they may cover fewer), and the line's runs."""
         scale = hits / self.events[name]
-        runs = max(round(self.runs[name] * scale), 1)
-        if not self.ops[name]:
-            return None, hits, runs, None
+        return scale, max(round(self.runs[name] * scale), 1)
+
+    def of(self, name: str, hits: int) -> tuple[str, int, int, float] | None:
+        """The op a line range spent most in, its calls and the line's runs, over every step,
+        and the median time of one of the op's calls recorded; None: it called none."""
+        if not self.events[name] or not self.ops[name]:
+            return None
+        scale, runs = self._scale(name, hits)
         # the op the line spent most in: a line of small selects around big matmuls is work
         op, took = max(self.ops[name].items(), key=lambda item: sum(item[1]))
         return op, round(len(took) * scale), runs, statistics.median(took) / 1e9
+
+    def per_run(self, name: str, op: str, *, hits: int) -> int | None:
+        """How many calls of `op` each run of the line made, where every run made as many."""
+        if not self.events[name] or not self.ops[name].get(op):
+            return None
+        scale, runs = self._scale(name, hits)
+        calls = round(len(self.ops[name][op]) * scale)
+        return calls // runs if calls % runs == 0 else None
 
 
 def _chained(code: str) -> bool:
@@ -314,50 +427,387 @@ def _chained(code: str) -> bool:
     return False
 
 
+# --- what a line writes: the tiny-ops remedy, from the line's own code ---------------------
 
 
-def _batched(f: _Facts, code: str, op: str | None, per_run: int) -> str:
-    """The remedy for what the line does: a parameter update, a factory call, indexing;
-    without an example where its kind is not known."""
-    if ".grad" in code and ("+=" in code or "-=" in code or "_(" in code):
-        return ("update every parameter in one call: an optimizer with foreach=True "
-                "(torch.optim.SGD(parameters, lr=..., foreach=True)), or "
-                "torch._foreach_add_(params, grads, alpha=-lr)")
-    if op in names.FACTORIES:
-        fn = "torch." + op.removeprefix("aten::")
-        shape = max((c.shapes[0] for c in f.of_kind("op") if c.parent is not None
-                     and c.parent.name == op and c.shapes and c.shapes[0]), default=None)
-        if shape is not None and per_run > 1:
-            dims = ", ".join(map(str, shape))
-            return (f"make them one batched call ({fn}({per_run}, {dims}), not {fn}({dims}) "
-                    f"{per_run:,} times)")
-        return f"make them one batched call ({fn} with a leading dimension for the count)"
-    if op in names.INDEXING:
-        return ("index once with a tensor of all the indices (x[idx], torch.gather, or "
-                "index_add_ to accumulate), not one element a call")
-    return "do the work in fewer, larger calls"
+@dataclass(slots=True)
+class _Line:
+    """A line's statement, read from the cell's code: the loops around it as (target,
+    iterable), innermost first and the statement's own comprehensions before them, and
+    the names a run of it may find bound anew (the loops' targets, what their bodies bind,
+    a function's arguments): its indices, the tensors it takes one at a time."""
+
+    stmt: ast.stmt
+    head: list[ast.AST]  # what the line runs: the statement, or a compound one's header
+    loops: list[tuple[ast.expr, ast.expr]]
+    varying: set[str]
+
+    def nodes(self) -> Iterator[ast.AST]:
+        return (n for h in self.head for n in ast.walk(h))
+
+    def iterable(self, var: str) -> ast.expr | None:
+        """What the loop binding `var` runs over."""
+        return next((it for t, it in self.loops if isinstance(t, ast.Name) and t.id == var),
+                    None)
+
+    def varies(self, node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Name) and n.id in self.varying for n in ast.walk(node))
+
+
+def _statements(source: str) -> dict[int, _Line]:
+    """Each line of `source` to its statement: the first one that spans it, a compound
+    one by its header's line."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    out: dict[int, _Line] = {}
+
+    def visit(body: list[ast.stmt], loops: list[tuple[ast.expr, ast.expr]],
+              varying: set[str]) -> None:
+        for node in body:
+            simple = not hasattr(node, "body")
+            head = [node] if simple else [getattr(node, a) for a in ("iter", "test")
+                                          if hasattr(node, a)]
+            own = _comprehensions(head)
+            line = _Line(node, head, own + loops, varying | _bound(*(t for t, _ in own)))
+            last = (node.end_lineno or node.lineno) if simple else node.lineno
+            for n in range(node.lineno, last + 1):
+                out.setdefault(n, line)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+                visit(node.body, [], varying | args | _bound(*node.body))
+                continue
+            if isinstance(node, (ast.For, ast.AsyncFor)):
+                visit(node.body, [(node.target, node.iter), *loops],
+                      varying | _bound(node.target, *node.body))
+            elif isinstance(node, ast.While):
+                visit(node.body, loops, varying | _bound(*node.body))
+            elif not simple:
+                visit(node.body, loops, varying)  # type: ignore[attr-defined]
+            for block in ("orelse", "finalbody"):
+                visit(getattr(node, block, []), loops, varying)
+            for handler in getattr(node, "handlers", []):
+                visit(handler.body, loops, varying)
+
+    visit(tree.body, [], set())
+    return out
+
+
+def _comprehensions(nodes: list[ast.AST]) -> list[tuple[ast.expr, ast.expr]]:
+    """The comprehensions' loops in these nodes as (target, iterable), innermost first."""
+    return [(c.target, c.iter) for n in nodes for c in ast.walk(n)
+            if isinstance(c, ast.comprehension)][::-1]
+
+
+def _bound(*nodes: ast.AST) -> set[str]:
+    """The names these nodes bind."""
+    return {n.id for node in nodes for n in ast.walk(node)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _elements(index: ast.expr) -> list[ast.expr]:
+    return list(index.elts) if isinstance(index, ast.Tuple) else [index]
+
+
+Remedy = tuple[str, str | None]  # the text, and the example it gives (`Advice.example`)
+_FEWER = "do the work in fewer, larger calls"
+
+
+def _remedy(line: _Line | None, kinds: Mapping[str, str], op: str,
+            per_run: Callable[[str], int | None]) -> Remedy:
+    """The remedy for what the line writes, decided from its code and the names' values
+    (`kinds`), not from the op it spent most in: a parameter update by its .grad, an
+    in-place update of indexed elements (one scatter), a factory call (one batched call),
+    a slice or index of each of many tensors of one shape (one stack), an index of one
+    tensor by the loop's values (one gather); else only what is slow. Each example runs
+    as typed and does what the line did, else there is none."""
+    if line is not None:
+        for remedy in (_update(line), _scatter(line, kinds), _factory(line, op, per_run),
+                       _stacked(line, kinds), _gathered(line, kinds)):
+            if remedy is not None:
+                return remedy
+    return _FEWER, None
+
+
+def _is_grad(node: ast.AST, var: str) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "grad"
+            and isinstance(node.value, ast.Name) and node.value.id == var)
+
+
+def _coefficient(value: ast.expr, var: str) -> ast.expr | None:
+    """c where `value` is c * var.grad (var.grad: 1), else None."""
+    if _is_grad(value, var):
+        return ast.Constant(1)
+    if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub):
+        inner = _coefficient(value.operand, var)
+        return None if inner is None else ast.UnaryOp(ast.USub(), inner)
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+        for this, other in ((value.left, value.right), (value.right, value.left)):
+            if _is_grad(this, var) and not any(_is_grad(n, var) for n in ast.walk(other)):
+                return other
+    return None
+
+
+def _update(line: _Line) -> Remedy | None:
+    """A parameter update: the loop's variable (or its .data) updated in place by its own
+    .grad (`p.data += -lr * p.grad`, `p.add_(p.grad, alpha=-lr)`); not a sum of the grads
+    into another name (a gradient norm), which updates nothing."""
+    stmt, alpha = line.stmt, None
+    target: ast.expr
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, (ast.Add, ast.Sub)):
+        target, value, minus = stmt.target, stmt.value, isinstance(stmt.op, ast.Sub)
+    elif (isinstance(stmt, ast.Expr) and isinstance(call := stmt.value, ast.Call)
+          and isinstance(call.func, ast.Attribute) and call.func.attr in ("add_", "sub_")
+          and len(call.args) == 1 and all(k.arg == "alpha" for k in call.keywords)):
+        target, value, minus = call.func.value, call.args[0], call.func.attr == "sub_"
+        alpha = call.keywords[0].value if call.keywords else None
+    else:
+        return None
+    if isinstance(target, ast.Attribute) and target.attr == "data":
+        target = target.value
+    if not isinstance(target, ast.Name) or (params := line.iterable(target.id)) is None:
+        return None
+    var = target.id
+    if not any(_is_grad(n, var) for n in ast.walk(value)):
+        return None
+    scale = _coefficient(value, var)
+    if scale is None or line.varies(scale) or (alpha is not None and line.varies(alpha)):
+        return ("update every parameter in one call: torch._foreach_add_ over the "
+                "parameters and their grads, or a torch.optim optimizer (foreach=True)"), None
+    if alpha is not None:
+        scale = alpha if isinstance(scale, ast.Constant) else ast.BinOp(scale, ast.Mult(), alpha)
+    if minus:
+        scale = ast.UnaryOp(ast.USub(), scale)
+    it = ast.unparse(params)
+    example = (f"torch._foreach_add_([{var}.data for {var} in {it}], [{var}.grad for {var} "
+               f"in {it}], alpha={ast.unparse(scale)})")
+    return (f"update every parameter in one call: {example}, or a torch.optim optimizer "
+            "(foreach=True)"), example
+
+
+def _scatter(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
+    """An in-place add to elements of a tensor indexed by the loop's values
+    (`N[ix1, ix2] += 1`): one scatter of every run's, index_put_ with accumulate=True."""
+    stmt = line.stmt
+    if not (isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, (ast.Add, ast.Sub))
+            and isinstance(stmt.target, ast.Subscript)):
+        return None
+    into, index = stmt.target.value, _elements(stmt.target.slice)
+    if not (isinstance(into, ast.Name) and kinds.get(into.id) == "tensor") or line.varies(into):
+        return None
+    if any(isinstance(e, ast.Slice) or not line.varies(e) for e in index):
+        return None
+    held = [f"I{k}" for k in range(1, len(index) + 1)]
+    value, minus, also = stmt.value, isinstance(stmt.op, ast.Sub), ""
+    if isinstance(value, ast.Constant) and isinstance(value.value, (int, float)) \
+            and not isinstance(value.value, bool):
+        c = -value.value if minus else value.value
+        values = (f"torch.ones(len(I1), dtype={into.id}.dtype)" if c == 1 else
+                  f"torch.full((len(I1),), {c!r}, dtype={into.id}.dtype)")
+    else:
+        values = "-V" if minus else "V"
+        also = f", and V those of {ast.unparse(value)}, stacked"
+    example = (f"{into.id}.index_put_(({', '.join(held)}{',' if len(held) == 1 else ''}), "
+               f"{values}, accumulate=True)")
+    return (f"gather the indices of every run and update once: {example}, where "
+            f"{_holding(held, index)}{also} (accumulate=True adds up repeated indices), not "
+            "one element a call"), example
+
+
+def _holding(held: list[str], index: list[ast.expr]) -> str:
+    """'I1, I2 hold the values of ix1, ix2 over the loop, as tensors'."""
+    one = len(held) == 1
+    return (f"{', '.join(held)} {'holds' if one else 'hold'} the values of "
+            f"{', '.join(map(ast.unparse, index))} over the loop, as "
+            f"{'a tensor' if one else 'tensors'}")
+
+
+def _factory(line: _Line, op: str, per_run: Callable[[str], int | None]) -> Remedy | None:
+    """A factory call whose arguments the loop does not bind (`torch.randint(0, 100, (8,))`
+    3,000 times): one call of the batched form of that call, where there is one."""
+    calls = [n for n in line.nodes() if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+             and n.func.value.id == "torch" and f"aten::{n.func.attr}" in names.FACTORIES]
+    call = next((c for c in calls if f"aten::{c.func.attr}" == op), None)  # type: ignore[attr-defined]
+    call = call or (calls[0] if calls else None)
+    if call is None or line.varies(call):
+        return None
+    fn = call.func.attr  # type: ignore[attr-defined]
+    known = per_run(f"aten::{fn}")
+    if known is None:  # runs that made more or fewer: no one count
+        return None
+    count = str(known)
+    it = line.loops[0][1] if line.loops else None  # the loop's own count, where it is written
+    if (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+            and len(it.args) == 1 and not line.varies(it.args[0])
+            and not (isinstance(it.args[0], ast.Constant) and it.args[0].value != known)):
+        count = ast.unparse(it.args[0])
+    batched = _batched_call(call, count)
+    if batched is None:
+        return None
+    return (f"make them one batched call: {batched}, not {ast.unparse(call)} {known:,} times",
+            batched)
+
+
+def _batched_call(call: ast.Call, count: str) -> str | None:
+    """The one call that makes `count` of what `call` makes, stacked, where it is written
+    from the call's own arguments (a size whose length the code does not say: none)."""
+    fn, args = call.func.attr, list(call.args)  # type: ignore[attr-defined]
+    kw = {k.arg: k.value for k in call.keywords}
+    if None in kw or any(isinstance(a, ast.Starred) for a in args):
+        return None
+
+    def rest(*skip: str) -> str:
+        return "".join(f", {k}={ast.unparse(v)}" for k, v in kw.items() if k not in skip)
+
+    def sized(size: ast.expr) -> str:  # a size argument with the count in front
+        if isinstance(size, (ast.Tuple, ast.List)):
+            dims = [ast.unparse(e) for e in size.elts]
+        elif isinstance(size, ast.Constant) and type(size.value) is int:
+            dims = [str(size.value)]
+        else:
+            dims = [f"*{ast.unparse(size)}"]
+        return f"({', '.join([count, *dims])})"
+
+    if fn in ("randn", "rand", "zeros", "ones", "empty"):
+        if "size" in kw and not args:
+            return f"torch.{fn}({sized(kw['size'])}{rest('size')})"
+        if len(args) == 1 and isinstance(args[0], ast.Name):
+            return None  # an int or a shape: the code does not say which
+        if len(args) == 1 and not isinstance(args[0], ast.Constant):
+            return f"torch.{fn}({sized(args[0])}{rest()})"
+        return f"torch.{fn}({', '.join([count, *map(ast.unparse, args)])}{rest()})" if args \
+            else None
+    if fn in ("randint", "normal", "full"):
+        at = {"randint": len(args) - 1 if len(args) in (2, 3) else None,
+              "normal": 2 if len(args) == 3 else None, "full": 0 if args else None}[fn]
+        if "size" in kw:
+            given = [ast.unparse(a) for a in args]
+            parts = [sized(kw["size"]), *given] if fn == "full" else [*given, sized(kw["size"])]
+            return f"torch.{fn}({', '.join(parts)}{rest('size')})"
+        if at is None:
+            return None
+        args_text = [ast.unparse(a) for a in args]
+        args_text[at] = sized(args[at])
+        return f"torch.{fn}({', '.join(args_text)}{rest()})"
+    if fn in ("arange", "linspace", "eye"):  # the same tensor each time
+        ones = ", ".join(["1"] * (2 if fn == "eye" else 1))
+        return f"{ast.unparse(call)}.repeat({count}, {ones})"
+    if fn == "randperm" and len(args) == 1 and set(kw) <= {"device", "generator"}:
+        return f"torch.rand({count}, {ast.unparse(args[0])}{rest()}).argsort(1)"
+    return None
+
+
+def _stacked(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
+    """A slice or an index of each of many tensors of one shape, the loop's variable
+    (`[c[:4] for c in chunks]`): one stack of them, indexed once."""
+    for node in line.nodes():
+        if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and isinstance(node.ctx, ast.Load)) or line.varies(node.slice):
+            continue
+        it = line.iterable(node.value.id)
+        if isinstance(it, ast.Name) and kinds.get(it.id) == "tensors":
+            index = _elements(node.slice)
+            example = f"torch.stack({it.id})[{', '.join([':', *map(ast.unparse, index)])}]"
+            what = "slice" if any(isinstance(e, ast.Slice) for e in index) else "index"
+            return (f"stack the tensors once and take the {what} of all at once: {example} "
+                    f"(its rows are what the line took, one a tensor), not a {what} a "
+                    "tensor"), example
+    return None
+
+
+def _gathered(line: _Line, kinds: Mapping[str, str]) -> Remedy | None:
+    """An index of one tensor by the loop's values (`P[ix1, ix2]`, `x[i]`): one index by
+    tensors of every run's."""
+    for node in line.nodes():
+        if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and isinstance(node.ctx, ast.Load) and kinds.get(node.value.id) == "tensor"
+                and not line.varies(node.value)):
+            continue
+        index = _elements(node.slice)
+        moving = [e for e in index if line.varies(e)]
+        if not moving or any(isinstance(e, ast.Slice) for e in moving):
+            continue
+        held = {id(e): f"I{k}" for k, e in enumerate(moving, 1)}
+        parts = [held.get(id(e)) or ast.unparse(e) for e in index]
+        example = f"{node.value.id}[{', '.join(parts)}]"
+        return (f"index once with tensors of every run's indices: {example}, where "
+                f"{_holding(list(held.values()), moving)} (then the rest of the line on the "
+                "result), not one index a call"), example
+    return None
 
 
 def input_pipeline(f: _Facts) -> Advice | None:
-    """Rule 1 (tb): the single-process DataLoader's share of the wall."""
-    nexts = [e for e in f.of_kind("op")
-             if "DataLoaderIter.__next__" in e.name and "_SingleProcess" in e.name]
+    """Rule 1 (tb, its remedies ours): the single-process DataLoader's share of the wall,
+    and what it did there. Rows of tensors in memory indexed one at a time (index calls
+    and a stack a batch, little else) get one index a batch, which a worker would not
+    speed: each batch would cross a process boundary. Other loading (Python in the
+    dataset's __getitem__ past indexing, other ops: decoding, files, transforms) gets
+    workers, where they would overlap enough of it with the rest of the loop to pay their
+    start and their hand-back; else nothing."""
+    nexts = [e for e in f.of_kind("op") if all(n in e.name for n in names.LOADER_NEXT)]
     wall = f.events_wall()
     if not nexts or not wall:
         return None
-    share = sum(e.end_ns - e.start_ns for e in nexts) / 1e9 / wall
+    took = sum(e.end_ns - e.start_ns for e in nexts) / 1e9
+    share = took / wall
     if share <= LOADER_SHARE:
         return None
+    ids = {id(e) for e in nexts}
+    rows = ops = other = 0.0
+    batches: set[int] = set()  # the calls of __next__ that called ops (not the last, empty)
+    for e in f.of_kind("op"):  # the ops each batch called itself (not inside another op)
+        up = e.parent
+        while up is not None and up.kind == "line":  # a dataset of the cell's: its lines
+            up = up.parent
+        if up is None or id(up) not in ids:
+            continue
+        batches.add(id(up))
+        ops += e.end_ns - e.start_ns
+        if e.name in names.INDEXING:
+            rows += 1
+        elif e.name not in names.COLLATE:
+            other += e.end_ns - e.start_ns
+    work = (other + max(took * 1e9 - ops - INDEX_GLUE_S * 1e9 * rows, 0.0)) / 1e9
     by_line: dict[str | None, float] = defaultdict(float)
     for e in nexts:
         by_line[e.line] += e.end_ns - e.start_ns
-    line = f.top_line(by_line)
+    line, seen = f.top_line(by_line), f.setting.loader
+    head = (f"the DataLoader{_on(line)} took {share:.0%} of the wall (over {LOADER_SHARE:.0%}) "
+            "in this process")
+    per_row = rows >= INDEXED_ROWS * len(batches) and not (seen is not None and seen.batched)
+    if per_row and ((seen is not None and seen.in_memory) or work < took / 2):
+        ds = seen.dataset if seen is not None else "dataset"
+        example = seen.remedy if seen is not None else None
+        how = example or (f"DataLoader({ds}, sampler=BatchSampler(RandomSampler({ds}), "
+                          "batch_size, drop_last=False), batch_size=None)" + (
+                              "" if seen is not None else ", where the dataset takes a list "
+                              "of indices (a TensorDataset does)"))
+        return Advice("input pipeline", share, LOADER_SHARE, line, (
+            f"{head}, indexing tensors in memory one row at a time ({rows / len(batches):,.0f} "
+            f"index calls and a stack a batch): index each batch at once, {how} (BatchSampler and "
+            "RandomSampler from torch.utils.data), or index the tensors with slices of "
+            "torch.randperm(n); workers would not speed it (each batch would cross to this "
+            "process)"), example)
+    # the figures over the whole cell, where the events cover some of a loop's steps: the
+    # workers start once
+    scale = max(f.setting.wall_s / wall, 1.0) if f.setting.wall_s else 1.0
+    rest = max(wall - took, 0.0) * scale  # the loop's other work, which workers would overlap
+    loading, whole = took * scale, wall * scale
+    # as many workers as bring the loading under the rest, or as the cores allow
+    workers = max(min(f.setting.cores - 1, math.ceil(loading / max(rest, 1e-9) - 1e-9)), 1)
+    after = (max(rest + len(nexts) * scale * WORKER_BATCH_S, loading / workers)
+             + workers * WORKER_START_S)
+    if work < took / 2 or whole - after < LOADER_SHARE * whole:
+        return None  # neither remedy would pay
     pin = (", and pin_memory=True with .to(device, non_blocking=True)" if f.setting.cuda
            else "")
     return Advice("input pipeline", share, LOADER_SHARE, line, (
-        f"the DataLoader{_on(line)} took {share:.0%} of the wall (over {LOADER_SHARE:.0%}) in "
-        f"this process: give it workers, e.g. num_workers={max(f.setting.cores - 1, 1)} "
-        f"({f.setting.cores} cores){pin}"))
+        f"{head}, loading (Python in its dataset past indexing, and ops: decoding, files, "
+        f"transforms): give it workers, num_workers={workers} ({f.setting.cores} cores), "
+        f"persistent_workers=True{pin}, to overlap its {fmt_seconds(loading)} with the "
+        f"{fmt_seconds(rest)} of the rest"))
 
 
 def cpu_threads(f: _Facts) -> Advice | None:

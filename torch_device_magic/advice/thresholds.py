@@ -21,6 +21,17 @@ TRACEBACK_MIN_BYTES = 100 * MiB  # a failing cell's traceback keeps this much in
 
 # --- %%profile's rules (profile_rules.py) -------------------------------------------------
 LOADER_SHARE = 0.05  # tb: the DataLoader's share of the wall
+# ours: a DataLoader batch whose rows were indexed one at a time (this many index calls a
+# batch or more: a TensorDataset's two tensors, two rows) is per-row indexing of tensors in
+# memory where the rest of its time (ops other than indexing and stacking, and Python past
+# this much a row's index call: the fetch loop and __getitem__ around it, 3 µs measured
+# under the profiler on the 2-core machine) is under half of it
+INDEXED_ROWS = 4
+INDEX_GLUE_S = 20e-6
+# ours: what a worker costs, measured there (torch 2.13, fork): 26 ms to the first batch with
+# one worker, 135 ms with two; each batch handed back 1.2 ms (64 rows of 20 floats)
+WORKER_START_S = 0.05  # a worker's start, each
+WORKER_BATCH_S = 1e-3  # a batch handed back to the cell's process
 DEVICE_BUSY = BUSY_LOW / 100  # tb (0.50): the device busy below this share of the wall
 NEAR_CAPACITY = NEAR_CAPACITY_SHARE  # tb (0.90): the peak over this share of the device's memory
 FRAGMENTED = 1.5  # ours: reserved over this many times the peak allocated

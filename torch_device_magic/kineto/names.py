@@ -1,7 +1,8 @@
 """What the names in a kineto trace are: which ops are matmuls, convolutions, copies,
-casts, factories and indexing, which runtime calls synchronise or launch, which rows are the
-profiler's own, and kineto's dtype names. Facts only: `kineto.events` reads a trace with
-them and the profile's rules (`advice.profile_rules`) say things with them."""
+casts, factories, indexing and a batch's collation, which runtime calls synchronise or
+launch, which rows are the profiler's own, and kineto's dtype names. Facts only:
+`kineto.events` reads a trace with them and the profile's rules (`advice.profile_rules`)
+say things with them."""
 
 from __future__ import annotations
 
@@ -91,3 +92,6 @@ FACTORIES = frozenset({"aten::randn", "aten::rand", "aten::randint", "aten::zero
                        "aten::randperm", "aten::normal", "aten::linspace", "aten::eye"})
 INDEXING = frozenset({"aten::index", "aten::index_put_", "aten::select", "aten::slice",
                       "aten::index_select", "aten::gather", "aten::masked_select"})
+COLLATE = frozenset({"aten::stack", "aten::cat"})  # default_collate's: one a batch and field
+# the single-process DataLoader's range around each batch (`record_function` in __next__)
+LOADER_NEXT = ("DataLoaderIter.__next__", "_SingleProcess")

@@ -9,7 +9,14 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..advice import compiles
-from ..advice.profile_rules import Advice, advise, data_parallel, read_setting
+from ..advice.profile_rules import (
+    Advice,
+    advise,
+    data_parallel,
+    loader,
+    name_kinds,
+    read_setting,
+)
 from ..errors import first_sentence
 from .capture import Capture, Recorded
 from .lines import LineTracer
@@ -51,7 +58,7 @@ def _report(
 ) -> ProfileReport:
     opts, tracer = capture.options, recorded.tracer
     got = read(recorded, opts, capture.cell_file, capture.source, capture.label, traces)
-    advice = _advice(got, recorded, namespace, reads)
+    advice = _advice(got, recorded, namespace, reads, capture.source)
     why = None
     if recorded.partial is not None:
         what = "interrupted" if isinstance(recorded.partial, KeyboardInterrupt) else (
@@ -92,6 +99,7 @@ def _flops_per_step(got: Read, tracer: LineTracer | None, full_steps: int) -> fl
 
 def _advice(
     got: Read, recorded: Recorded, namespace: Mapping[str, Any], reads: Collection[str],
+    source: str,
 ) -> list[Advice]:
     measured, tracer, timeline = recorded.measured, recorded.tracer, got.timeline
     peak = measured.device_top_bytes() if measured is not None else None
@@ -102,8 +110,10 @@ def _advice(
         if top is not None and top.line is not None:  # --memory: the peak's top line
             setting.largest = (str(top.line), top.bytes, top.text)
         # read after the run: the cell may have made the model
-        setting.data_parallel = data_parallel(
-            (n, namespace[n]) for n in sorted(reads) if n in namespace)
+        values = [(n, namespace[n]) for n in sorted(reads) if n in namespace]
+        setting.data_parallel = data_parallel(values)
+        setting.source, setting.kinds, setting.loader = source, name_kinds(values), loader(
+            values, namespace)
         names = tracer.names if tracer is not None else {}
         return advise(got.events, got.analysis, names, setting)
     except Exception as err:  # ours: the profile itself is still shown

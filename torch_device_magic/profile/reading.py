@@ -62,7 +62,8 @@ def read(
     if not cuda and runtime_up("cuda"):
         notes.append("CUDA started in this cell, after recording began: its device "
                      "activity is not in this profile (run the cell again, or --warmup 1, "
-                     "which runs it once more first: a training cell trains once more)")
+                     "which runs it once more first: either way a training cell trains once "
+                     "more)")
     if options.sort == "device" and not analysis.device_recorded:
         notes.append("--sort device: no device activity was recorded, so by self CPU time")
     notes.extend(_thread_notes(events, tracer, options.threads))

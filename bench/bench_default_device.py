@@ -31,7 +31,6 @@ time, synchronised at the end of each block (the small step is launch-bound).
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from rotation import rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 from torch_device_magic.default_device import DefaultDevice  # noqa: E402
 
 WAYS = ("explicit", "%device", "torch's mode")
-ORDERS = list(itertools.permutations(WAYS))  # each way as often first, middle and last
 SIZES = {"tiny": (16, 32, 4, 8), "small": (64, 128, 10, 32)}  # in, hidden, out, batch
 
 
@@ -102,14 +101,7 @@ def measure(dev: torch.device, size: str, rounds: int, steps: int) -> None:
     step = training_step(dev, size)
     for way in WAYS * 2:  # warm up every path
         block(step, dev, way, 50)
-    seconds: dict[str, list[float]] = {way: [] for way in WAYS}
-    ratios: dict[str, list[float]] = {way: [] for way in WAYS[1:]}
-    for n in range(rounds):
-        times = {way: block(step, dev, way, steps) for way in ORDERS[n % len(ORDERS)]}
-        for way in WAYS:
-            seconds[way].append(times[way])
-        for way in WAYS[1:]:
-            ratios[way].append(times[way] / times["explicit"])
+    seconds, ratios = rotated(WAYS, rounds, lambda way: block(step, dev, way, steps))
     n_in, hidden, n_out, batch = SIZES[size]
     print(f"\n{dev.type}: {size} MLP {n_in}->{hidden}->{hidden}->{n_out}, batch {batch}, "
           f"{rounds} rounds of {steps} steps per way")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import itertools
 import statistics
 import sys
 import textwrap
@@ -28,12 +27,12 @@ import time
 from pathlib import Path
 
 import torch
+from rotation import rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 WAYS = ("plain", "%%ondevice cpu", "%device cpu", "torch's mode")
-ORDERS = list(itertools.permutations(WAYS))
 
 
 def loop(steps: int) -> str:
@@ -83,14 +82,7 @@ def main() -> None:
     source = cells(steps)
     for way in WAYS:  # warm up every path
         timed(shell, way, source[way])
-    seconds: dict[str, list[float]] = {way: [] for way in WAYS}
-    ratios: dict[str, list[float]] = {way: [] for way in WAYS[1:]}
-    for n in range(rounds):
-        times = {way: timed(shell, way, source[way]) for way in ORDERS[n % len(ORDERS)]}
-        for way in WAYS:
-            seconds[way].append(times[way])
-        for way in WAYS[1:]:
-            ratios[way].append(times[way] / times["plain"])
+    seconds, ratios = rotated(WAYS, rounds, lambda way: timed(shell, way, source[way]))
     print(f"torch {torch.__version__}, 1 thread; a cell of {steps:,} steps, "
           f"{rounds} rounds per way")
     for way in WAYS:

@@ -126,3 +126,15 @@ def test_no_dispatch_mode_runs_around_the_cell_a_compiled_function_included(ip, 
     (999, False, "999 FLOP"), (1.5e15, True, "1.5 PFLOP/s")])
 def test_flops_read_in_human_units(n, per_second, text):
     assert fmt_flops(n, per_second) == text
+
+
+def test_a_lines_rate_is_over_its_device_time_where_the_device_was_recorded():
+    from torch_device_magic.kineto.analysis import LineRow
+
+    on_gpu = LineRow("2", "y = a @ b", hits=1, wall_s=0.010, cpu_s=0.004, device_s=0.002,
+                     allocated_bytes=0, flops=10**9)
+    assert on_gpu.flops_per_second == pytest.approx(5e11)  # the kernels' time, not the CPU's
+    on_cpu = LineRow("2", "y = a @ b", 1, 0.010, 0.004, None, 0, flops=10**9)
+    assert on_cpu.flops_per_second == pytest.approx(2.5e11)
+    idle = LineRow("3", "z = y.relu()", 1, 0.010, 0.004, 0.001, 0)
+    assert idle.flops_per_second is None  # blank: no counted work

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kineto import names
+from ..kineto import names, peaks
 from ..kineto.analysis import Analysis
 from ..kineto.events import Event
 from ..units import fmt_bytes, fmt_seconds, plural
@@ -107,6 +107,7 @@ class Setting:
     # one shape, dtype and device ('tensors'): what a remedy may index or stack
     kinds: dict[str, str] = field(default_factory=dict)
     loader: Loader | None = None  # the DataLoader (or in-memory dataset) the cell reads
+    claim: peaks.Claim | None = None  # the MFU claimed, or why none (kineto.peaks)
 
 
 def read_setting(
@@ -130,7 +131,7 @@ def read_setting(
         setting.capability = (props.major, props.minor)
         setting.total_memory = props.total_memory
         setting.reserved_bytes = torch.cuda.memory_reserved()
-        setting.tf32_matmul = bool(torch.backends.cuda.matmul.allow_tf32)
+        setting.tf32_matmul = peaks.tf32_matmul()
         setting.tf32_conv = bool(torch.backends.cudnn.allow_tf32)
     return setting
 

@@ -13,6 +13,11 @@ from ..units import plural
 from . import flops, names
 from .events import Event
 
+# torch.compile's own code, whose work no aten op records: Inductor's Triton kernels, and
+# the range around each call of a compiled graph (its C++ kernels on the CPU)
+COMPILED_KERNELS = "triton_"
+COMPILED_CALLS = "## Call CompiledFxGraph"
+
 
 @dataclass(slots=True)
 class OpRow:
@@ -80,6 +85,8 @@ class Analysis:
     recorded_s: float | None = None  # the wall the events cover, where the profiler paused
     # (a loop's steps past its window); None: the whole wall
     work: flops.Work = field(default_factory=flops.Work)  # the counted floating-point work
+    compiled_kernels: int = 0  # Triton kernels that ran (torch.compile's): not counted
+    compiled_calls: int = 0  # calls of torch.compile's graphs
 
 
 def analyse(
@@ -141,6 +148,9 @@ def analyse(
         stalls=_stalls(events, by_id, line_names, runs) if device_in_use else [],
         line_at=timeline.at,
         work=work,
+        compiled_kernels=sum(1 for d in device
+                             if d.kind == "kernel" and d.name.startswith(COMPILED_KERNELS)),
+        compiled_calls=sum(1 for e in ops if e.name.startswith(COMPILED_CALLS)),
     )
 
 

@@ -58,7 +58,9 @@ class Work:
     by_op: Counter[str] = field(default_factory=Counter)  # an op name's FLOPs
     by_line: Counter[str] = field(default_factory=Counter)  # a line range's FLOPs
     by_dtype: Counter[str] = field(default_factory=Counter)  # kineto's dtype name's FLOPs
+    conv_by_dtype: Counter[str] = field(default_factory=Counter)  # of them, convolutions'
     uncounted: int = 0  # counted ops whose arguments the formula could not read
+    on_device: int = 0  # the FLOPs of the ops that launched device work (a GPU's kernels)
 
 
 def count(ops: Sequence[Event]) -> Work:
@@ -66,6 +68,12 @@ def count(ops: Sequence[Event]) -> Work:
     outermost counted op."""
     table = formulas()
     work = Work()
+    launched: set[int] = set()  # the ops around device work: a counted op ran there
+    for op in ops:
+        up = op if op.device_ns else None
+        while up is not None and id(up) not in launched:
+            launched.add(id(up))
+            up = up.parent
     for op in ops:
         formula = table.get(op.name)
         if formula is None or _inside_counted(op, table):
@@ -80,10 +88,14 @@ def count(ops: Sequence[Event]) -> Work:
         work.flops += flops
         work.ops += 1
         work.by_op[op.name] += flops
+        if id(op) in launched:
+            work.on_device += flops
         if op.line is not None:
             work.by_line[op.line] += flops
         if op.dtypes:
             work.by_dtype[op.dtypes[0]] += flops
+            if "conv" in op.name:  # cuDNN's TF32 switch, not the matmuls'
+                work.conv_by_dtype[op.dtypes[0]] += flops
     return work
 
 

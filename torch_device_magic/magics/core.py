@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, magics_class
+from traitlets import Any as AnyTrait
 from traitlets import Bool, Float, Int, TraitError, observe, validate
 from traitlets.config import Config
 from traitlets.config.loader import DeferredConfig, LazyConfigValue
@@ -21,6 +22,7 @@ from ..advice import hints
 from ..advice.notes import Advisor
 from ..devices import resolve, take_inventory
 from ..hooks import CellReporter
+from ..kineto import peaks
 from ..session import Session
 
 
@@ -73,6 +75,22 @@ class TorchDeviceMagics(Magics):
         "Out; inference that keeps an autograd graph; a peak near the device's capacity. "
         "Each is also the record's `notes` in %devhistory -o.",
     ).tag(config=True)
+
+    # --- %%profile's MFU (issue 39) ---
+    peak_flops = AnyTrait(
+        None, allow_none=True,
+        help="%%profile's peak for the MFU, in FLOP/s: one figure (989e12), or a dict by "
+        "precision ({'bf16': 989e12, 'tf32': 494e12}; keys among fp32, tf32, bf16, fp16, "
+        "fp8), for a GPU that the table of dense peaks lacks or a clock that differs; None "
+        "(the default): the table's.",
+    ).tag(config=True)
+
+    @validate("peak_flops")
+    def _a_peak(self, proposal: Any) -> Any:
+        try:
+            return peaks.check_yours(proposal.value)
+        except ValueError as err:
+            raise TraitError(str(err)) from None
 
     _shell: InteractiveShell | None = None
 

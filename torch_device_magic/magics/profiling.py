@@ -133,7 +133,8 @@ class TorchDeviceProfileMagics(MagicsGroup):
         self._profiling = True
         try:
             report, value = profile.profile_cell(
-                capture, display, self.core.traces, self.shell.user_ns, reads)
+                capture, display, self.core.traces, self.shell.user_ns, reads,
+                self.core.peak_flops)
         finally:
             self._profiling = False
         if args.output:

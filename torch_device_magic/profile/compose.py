@@ -18,10 +18,11 @@ from ..advice.profile_rules import (
     read_setting,
 )
 from ..errors import first_sentence
+from ..kineto.peaks import Claim
 from .capture import Capture, Recorded
 from .lines import LineTracer
 from .reading import Read, read
-from .tables import ProfileReport
+from .tables import ProfileReport, mfu_claim
 from .traces import TraceFiles
 
 _log = logging.getLogger(__name__)
@@ -30,16 +31,18 @@ _log = logging.getLogger(__name__)
 def profile_cell(
     capture: Capture, show_partial: Callable[[ProfileReport], None], traces: TraceFiles,
     namespace: Mapping[str, Any] | None = None, reads: Collection[str] = (),
+    peak_flops: float | dict[str, float] | None = None,
 ) -> tuple[ProfileReport | None, Any]:
     """Run `capture` and make its report: the report (None, said in one line, where the
     profile could not be read) and the cell's value. A cell that raises shows its partial
     report through `show_partial`, then its error propagates. `namespace` and `reads` (the
-    user's names that the cell reads) are for the advice."""
+    user's names that the cell reads) are for the advice; `peak_flops`, the user's peak
+    (TorchDeviceMagics.peak_flops), for the MFU."""
     __tracebackhide__ = True
     capture.mark = compiles.records  # torch.compile's record as recording begins
 
     def report(recorded: Recorded) -> ProfileReport:
-        return _report(capture, recorded, traces, namespace or {}, reads)
+        return _report(capture, recorded, traces, namespace or {}, reads, peak_flops)
 
     recorded, value = capture(lambda partial: show_partial(report(partial)))
     if recorded is None:
@@ -54,11 +57,12 @@ def profile_cell(
 
 def _report(
     capture: Capture, recorded: Recorded, traces: TraceFiles, namespace: Mapping[str, Any],
-    reads: Collection[str],
+    reads: Collection[str], peak_flops: float | dict[str, float] | None = None,
 ) -> ProfileReport:
     opts, tracer = capture.options, recorded.tracer
     got = read(recorded, opts, capture.cell_file, capture.source, capture.label, traces)
-    advice = _advice(got, recorded, namespace, reads, capture.source)
+    claim = mfu_claim(got.analysis, got.wall_s, recorded.cuda, peak_flops)
+    advice = _advice(got, recorded, namespace, reads, capture.source, claim)
     why = None
     if recorded.partial is not None:
         what = "interrupted" if isinstance(recorded.partial, KeyboardInterrupt) else (
@@ -76,7 +80,7 @@ def _report(
         events=len(got.events),
         step_events=tracer.step_events(got.sessions) if tracer is not None else 0,
         advice=advice,
-        flops_per_step=_flops_per_step(got, tracer, opts.steps),
+        flops_per_step=_flops_per_step(got, tracer, opts.steps), claim=claim,
     )
 
 
@@ -99,7 +103,7 @@ def _flops_per_step(got: Read, tracer: LineTracer | None, full_steps: int) -> fl
 
 def _advice(
     got: Read, recorded: Recorded, namespace: Mapping[str, Any], reads: Collection[str],
-    source: str,
+    source: str, claim: Claim | None = None,
 ) -> list[Advice]:
     measured, tracer, timeline = recorded.measured, recorded.tracer, got.timeline
     peak = measured.device_top_bytes() if measured is not None else None
@@ -114,6 +118,7 @@ def _advice(
         setting.data_parallel = data_parallel(values)
         setting.source, setting.kinds, setting.loader = source, name_kinds(values), loader(
             values, namespace)
+        setting.claim = claim
         names = tracer.names if tracer is not None else {}
         return advise(got.events, got.analysis, names, setting)
     except Exception as err:  # ours: the profile itself is still shown

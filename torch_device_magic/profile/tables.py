@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..advice.profile_rules import Advice
-from ..kineto import names
+from ..kineto import names, peaks
 from ..kineto.analysis import Analysis, KernelRow, LineRow, OpRow
 from ..measure import Measurement
 from ..reports import Table
@@ -50,8 +50,19 @@ class ProfileReport:
     advice: list[Advice] = field(default_factory=list)  # what to change (advice)
     # under the steps window: the counted FLOPs of a recorded step of the windowed loops
     flops_per_step: float | None = None
-    mfu: float | None = None  # not claimed: no table of device peaks yet
-    peak_flops: float | None = None
+    claim: peaks.Claim | None = None  # the MFU claimed, or why none (kineto.peaks.claim)
+
+    @property
+    def mfu(self) -> float | None:
+        """The counted FLOP/s over the device's dense peak; None where not claimed (the
+        CPU, a GPU not in the table, compiled code's uncounted work): the overview says why."""
+        return self.claim.mfu if self.claim is not None else None
+
+    @property
+    def peak_flops(self) -> peaks.Peak | None:
+        """The peak the MFU was claimed against: the table's row (or yours), its precision,
+        its figure in FLOP/s, why the row was assumed where the name did not say."""
+        return self.claim.peak if self.claim is not None else None
 
     @property
     def flops(self) -> int:
@@ -62,8 +73,7 @@ class ProfileReport:
     def flops_per_second(self) -> float | None:
         """The counted FLOPs over the wall they were recorded in (the recorded wall where
         a loop's steps were left out); None where nothing was counted."""
-        covered = self.analysis.recorded_s or self.wall_s
-        return self.flops / covered if self.flops and covered else None
+        return _rate(self.analysis, self.wall_s)
 
     @property
     def ops(self) -> list[OpRow]:
@@ -105,6 +115,8 @@ class ProfileReport:
         parts.append(plural(a.op_calls, "op call"))
         if self.flops:
             parts.append(self._work())
+            if self.claim is not None and self.claim.text:  # the MFU, or why none
+                parts.append(self.claim.text)
         if self.trace_path is not None:
             said = [fmt_bytes(self.trace_bytes)] if self.trace_bytes >= LARGE_BYTES else []
             said += ["until the next %%profile"] if self.trace_temporary else []
@@ -167,7 +179,7 @@ class ProfileReport:
         rows = [_timed([r.where, r.hits, fmt_seconds(r.wall_s), fmt_seconds(r.cpu_s)],
                        fmt_seconds(r.device_s), device,
                        [_bytes(r.allocated_bytes),
-                        *([_rate(r.flops_per_second)] if counted else []), _short(r.code)])
+                        *([_per_second(r.flops_per_second)] if counted else []), _short(r.code)])
                 for r in a.lines]
         notes = []
         if self.full_steps:
@@ -248,8 +260,27 @@ def _timed(lead: list, device_cell: object, device: bool, rest: list) -> list:
     return [*lead, *([device_cell] if device else []), *rest]
 
 
-def _rate(per_second: float | None) -> str:
+def _per_second(per_second: float | None) -> str:
     return fmt_flops(per_second, True) if per_second else ""
+
+
+def _rate(a: Analysis, wall_s: float) -> float | None:
+    """The counted FLOPs over the wall they were recorded in."""
+    covered = a.recorded_s or wall_s
+    return a.work.flops / covered if a.work.flops and covered else None
+
+
+def mfu_claim(a: Analysis, wall_s: float, cuda: bool,
+              yours: float | dict[str, float] | None = None) -> peaks.Claim:
+    """The MFU of a capture's counted work (kineto.peaks.claim), on the device CUDA has now
+    where it was in use (nothing starts it), with torch's TF32 switches as the cell left
+    them; `yours`: TorchDeviceMagics.peak_flops."""
+    import torch
+
+    return peaks.claim(a.work, _rate(a, wall_s), peaks.device() if cuda else None,
+                       tf32_matmul=peaks.tf32_matmul(),
+                       tf32_conv=bool(torch.backends.cudnn.allow_tf32), yours=yours,
+                       compiled_kernels=a.compiled_kernels, compiled_calls=a.compiled_calls)
 
 
 def _bytes(n: int | None) -> str:

@@ -70,6 +70,7 @@ class Gpu:
     fail: type[NVMLError] | None = None  # NVML refuses this GPU's handle with this error
     uuid: str = field(default_factory=lambda: str(uuidlib.UUID(int=next(_serial))))
     mig: bool = False  # this is a MIG instance
+    multiprocessors: int | None = None  # CUDA's multi_processor_count (MFU's MIG share)
     # NVML's per-process list: {host pid: bytes used}, None where NVML gives no figure
     processes: dict[int, int | None] = field(default_factory=dict)
     # NVML's sample buffers: (time in µs, percent busy); (pid, time in µs, percent of SMs)
@@ -244,7 +245,8 @@ class FakeMachine:
         self._init("get_device_properties")
         g = self.cuda[i]
         return types.SimpleNamespace(name=g.name, uuid=g.uuid, total_memory=g.total,
-                                     major=g.capability[0], minor=g.capability[1])
+                                     major=g.capability[0], minor=g.capability[1],
+                                     multi_processor_count=g.multiprocessors)
 
     def memory_stats_nested(self, i: int) -> dict[str, Any]:
         """`torch._C._cuda_memoryStats`: the allocator's counters as the C++ call builds them

@@ -22,10 +22,11 @@ from typing import Any
 from ..kineto import names, peaks
 from ..kineto.analysis import Analysis
 from ..kineto.events import Event
-from ..units import fmt_bytes, fmt_seconds, plural
+from ..units import fmt_bytes, fmt_flops, fmt_seconds, plural
 from . import compiles
 from .thresholds import (
     COLD_RUN,
+    COUNTED_SHARE,
     CPU_OPS_SHARE,
     DATA_PARALLEL_GPUS,
     DEVICE_BUSY,
@@ -33,6 +34,8 @@ from .thresholds import (
     INDEX_GLUE_S,
     INDEXED_ROWS,
     LOADER_SHARE,
+    MFU_HIGH,
+    MFU_LOW,
     NEAR_CAPACITY,
     PAGEABLE_BYTES,
     SHORT_KERNELS,
@@ -1011,11 +1014,63 @@ def data_parallel_gpus(f: _Facts) -> Advice | None:
         "DistributedDataParallel (a process per GPU, torchrun) is faster"))
 
 
+def mfu(f: _Facts) -> Advice | None:
+    """Issue 39 (ours): what bounds a low MFU where the counted work is most of the
+    device's busy time (the first of the rules that explains it: fp32 without tensor
+    cores, syncs, launches, an idle device, the DataLoader; else the counted kernels
+    themselves), and where the MFU is high, that what is left is the rest of the cell."""
+    claim, a = f.setting.claim, f.analysis
+    if claim is None or claim.mfu is None or claim.peak is None or not a.device_busy_s:
+        return None
+    value, peak = claim.mfu, claim.peak
+    said = (f"MFU {peaks.percent(value)} of the {peak.dtype} peak "
+            f"({fmt_flops(peak.flops, True)})")
+    if value >= MFU_HIGH:
+        idle = 1 - a.device_busy_s / f.events_wall() if f.events_wall() else 0.0
+        return Advice("MFU", value, MFU_HIGH, None, (
+            f"{said}, at {MFU_HIGH:.0%} or more: the matmuls are near the limit; what is "
+            f"left to win is the rest of the cell (the device idle {max(idle, 0.0):.0%} of "
+            "the wall, and its work outside the counted ops)"))
+    if value >= MFU_LOW:
+        return None
+    by_id = {e.correlation: e for e in f.of_kind("op") if e.correlation}
+    counted_ns = 0
+    for k in f.of_kind("kernel"):
+        op = by_id.get(k.linked)
+        while op is not None and op.name not in names.FLOP_OPS:
+            op = op.parent
+        counted_ns += (k.end_ns - k.start_ns) if op is not None else 0
+    share = counted_ns / 1e9 / a.device_busy_s
+    if share < COUNTED_SHARE:
+        return None  # the matmuls are not what the device spent its time on
+    head = (f"{said}, under {MFU_LOW:.0%}, while the counted ops' kernels took {share:.0%} "
+            f"of the device's busy time: ")
+    for rule in (tensor_cores, device_waits, input_pipeline):
+        found = rule(f)
+        if found is not None:
+            return Advice("MFU", value, MFU_LOW, found.line, head + (
+                f"what bounds it is the '{found.rule}' advice's ({_figure(found)})"))
+    own = a.work.flops / (counted_ns / 1e9) if counted_ns else 0.0
+    return Advice("MFU", value, MFU_LOW, None, head + (
+        f"the counted kernels themselves ran at {fmt_flops(own, True)} over their own time, "
+        f"{peaks.percent(own / peak.flops)} of the peak: matmuls too small for this device "
+        "(a bigger batch, wider layers)"))
+
+
+def _figure(advice: Advice) -> str:
+    """The figure an advice rests on, as its rule says it."""
+    if advice.rule == "tensor cores":
+        return f"{advice.figure:,.0f} fp32 matmul/conv kernels without tensor cores"
+    if advice.rule.startswith("device waits"):
+        return f"the device busy {advice.figure:.0%} of the wall"
+    return f"the DataLoader {advice.figure:.0%} of the wall"
+
+
 def _line_key(where: str) -> tuple[int, str]:
     return (int(where), "") if where.isdigit() else (1 << 30, where)
 
 
 RULES: tuple[Callable[[_Facts], Advice | None], ...] = (
     warm_up, input_pipeline, device_waits, tensor_cores, memory, pageable_copies, tiny_ops,
-    cpu_threads, data_parallel_gpus, cudnn_benchmark, recompiles,
+    cpu_threads, data_parallel_gpus, cudnn_benchmark, recompiles, mfu,
 )

@@ -49,6 +49,11 @@ WARM_UP_LINE = 0.50  # ours: a line this much of whose wall was first-call loadi
 WARM_UP_WALL = 0.10  # ours: first-call loading worth saying, as a share of the wall ...
 COLD_RUN = 0.50  # ... and at this share, the whole run was cold: no launch or host advice
 DATA_PARALLEL_GPUS = 2  # tb: DataParallel on this many GPUs or more
+# issue 39 (ours): the MFU said low under this (where the counted work is most of the
+# device's busy time) and high from this; nanoGPT's well-tuned H100 runs read about 40-50%
+MFU_LOW = 0.30
+MFU_HIGH = 0.60
+COUNTED_SHARE = 0.50  # the counted ops' kernels' share of the device's busy time
 
 
 def capacity_share(peak_bytes: int | None, total_bytes: int | None) -> float | None:

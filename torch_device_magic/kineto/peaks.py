@@ -225,7 +225,14 @@ def claim(work: Work, rate: float | None, device: Device | None, *, tf32_matmul:
 
 def _said(rate: float, peak: Peak, whose: str, after: str) -> Claim:
     mfu = rate / peak.flops
-    return Claim(mfu, peak, f"MFU {mfu:.0%} of {whose} ({fmt_flops(peak.flops, True)}){after}")
+    over = "; over 100%: that peak is too low for this device" if mfu > 1 else ""
+    return Claim(mfu, peak, f"MFU {percent(mfu)} of {whose} ({fmt_flops(peak.flops, True)})"
+                 f"{after}{over}")
+
+
+def percent(share: float) -> str:
+    """'38%', and a small share's two figures ('0.041%')."""
+    return f"{share:.0%}" if share >= 0.01 else f"{share * 100:.2g}%"
 
 
 def device() -> Device | None:

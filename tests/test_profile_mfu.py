@@ -325,3 +325,18 @@ def test_the_mfu_advice_is_quiet_where_it_does_not_apply():
     a = analyse(c.events, c.names, device_in_use=True)  # no claim (the CPU, unknown GPU)
     assert [x for x in advise(c.events, a, c.names, Setting(1.5e-3, cuda=True))
             if x.rule == "MFU"] == []
+
+
+# --- on a real GPU (scripts/gpu-check) -------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_large_bf16_matmul_loop_reads_30_to_100_percent_of_the_peak(ip):
+    ip.run_cell("import torch\nx = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)"
+                "\nfor _ in range(3):\n    y = x @ x\ntorch.cuda.synchronize()")  # cuBLAS loaded
+    report = profiled(ip, "for _ in range(200):\n    y = x @ x\ntorch.cuda.synchronize()")
+    assert report.flops == 200 * 2 * 8192**3
+    if report.peak_flops is None:
+        pytest.skip(f"no MFU on {torch.cuda.get_device_name()}: {report.claim.text}")
+    assert report.peak_flops.dtype == "bf16"
+    assert 0.30 <= report.mfu <= 1.0, report.claim.text

@@ -340,3 +340,19 @@ def test_on_a_gpu_a_large_bf16_matmul_loop_reads_30_to_100_percent_of_the_peak(i
         pytest.skip(f"no MFU on {torch.cuda.get_device_name()}: {report.claim.text}")
     assert report.peak_flops.dtype == "bf16"
     assert 0.30 <= report.mfu <= 1.0, report.claim.text
+
+
+def test_the_docs_lines_are_what_the_code_says():
+    bf16 = Work(flops=10**12, by_dtype={"c10::BFloat16": 10**12}, on_device=10**12)
+    h100 = peaks.Device("NVIDIA H100 80GB HBM3", 132, 80 * GIB, (9, 0))
+    assert peaks.claim(bf16, 0.38 * 989.4e12, h100).text == (
+        "MFU 38% of the H100 SXM's bf16 dense peak (989 TFLOP/s)")
+    mig = peaks.Device("NVIDIA H100 80GB HBM3 MIG 1g.10gb", 16, 10 * GIB, (9, 0))
+    assert peaks.claim(bf16, 0.21 * 989.4e12 * 16 / 132, mig).text == (
+        "MFU 21% of the MIG 1g.10gb slice's share (16 of its 132 multiprocessors) of the "
+        "H100 SXM's bf16 dense peak (120 TFLOP/s)")
+    assert peaks.claim(bf16, 0.41 * 700e12, h100, yours={"bf16": 700e12}).text == (
+        "MFU 41% of your bf16 peak (700 TFLOP/s)")
+    assert peaks.claim(bf16, 0.6 * 989.4e12, h100, compiled_kernels=12).text == (
+        "torch.compile's code ran (12 Triton kernels), whose own work is not in the count: "
+        "no MFU")

@@ -74,6 +74,10 @@ class TorchDeviceProfileMagics(MagicsGroup):
         on it outside that function's lines, as those have their own rows); then
         the top ops (calls, self and total CPU time, device time, memory
         allocated, the most frequent input shapes) and on a GPU the top kernels.
+        The overview counts the matmuls', convolutions' and attention's FLOPs
+        and their rate; on a GPU it says the MFU against the device's dense peak
+        for their precision, the peak beside it (a GPU the table lacks: set
+        `%config TorchDeviceMagics.peak_flops = FLOP/s`, or a dict by precision).
 
         The cell runs as a cell: Out[n], tracebacks at its lines, names bound.
         `-n` and `--warmup` run it more than once, and each run repeats its side

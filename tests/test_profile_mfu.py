@@ -356,3 +356,13 @@ def test_the_docs_lines_are_what_the_code_says():
     assert peaks.claim(bf16, 0.6 * 989.4e12, h100, compiled_kernels=12).text == (
         "torch.compile's code ran (12 Triton kernels), whose own work is not in the count: "
         "no MFU")
+
+
+def test_counted_work_on_the_cpu_beside_the_gpu_claims_no_mfu_past_one_percent():
+    h100 = peaks.Device("NVIDIA H100 80GB HBM3", 132, 80 * GIB, (9, 0))
+    bf16 = {"c10::BFloat16": 10**12}
+    said = peaks.claim(Work(flops=10**12, by_dtype=bf16, on_device=9 * 10**11), 1e14, h100)
+    assert said.mfu is None and said.text == "no MFU: 10% of the counted FLOPs ran on the CPU"
+    a_metric = peaks.claim(Work(flops=10**12, by_dtype=bf16, on_device=10**12 - 10**9), 1e14,
+                           h100)  # a small CPU matmul beside the GPU's: 0.1%
+    assert a_metric.mfu == pytest.approx(1e14 / 989.4e12)

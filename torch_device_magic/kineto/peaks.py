@@ -27,6 +27,7 @@ _PRECISION = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16",
               "c10::Float8_e4m3fnuz": "fp8", "c10::Float8_e5m2fnuz": "fp8"}
 _NAMES = {"double": "fp64"}  # counted work of a precision the table has no row for
 AMPERE = (8, 0)  # TF32 from here on
+CPU_SHARE = 0.01  # counted FLOPs on the CPU past this share of them: no MFU on the GPU
 SET_IT = "%config TorchDeviceMagics.peak_flops = FLOP/s (or a dict by dtype) sets it"
 
 
@@ -184,9 +185,9 @@ def claim(work: Work, rate: float | None, device: Device | None, *, tf32_matmul:
                      f"in the count{': no MFU' if device is not None else ''}")
     if device is None or not work.on_device:
         return Claim(None, None, "")  # the CPU: no reliable peak to hold it against
-    if work.on_device < work.flops:
-        return Claim(None, None, f"no MFU: {work.flops - work.on_device:.3g} of the counted "
-                     "FLOPs ran on the CPU")
+    if work.flops - work.on_device > CPU_SHARE * work.flops:
+        return Claim(None, None, f"no MFU: {percent(1 - work.on_device / work.flops)} of the "
+                     "counted FLOPs ran on the CPU")
     by = precisions(work, tf32_matmul, tf32_conv, device.capability)
     if not by:
         return Claim(None, None, "")

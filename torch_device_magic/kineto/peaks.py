@@ -193,8 +193,8 @@ def claim(work: Work, rate: float | None, device: Device | None, *, tf32_matmul:
         return Claim(None, None, "")
     dtype, top = by.most_common(1)[0]
     mixed = ("" if len(by) == 1 else
-             f" ({top / sum(by.values()):.0%} of the counted FLOPs were {dtype}; the rest "
-             f"{', '.join(k for k in by if k != dtype)})")
+             f"; {top / sum(by.values()):.0%} of the counted FLOPs were {dtype}, the rest "
+             f"{', '.join(k for k in by if k != dtype)}")
     if yours is not None:
         figure = yours if isinstance(yours, (int, float)) else yours.get(dtype)
         if figure is None:
@@ -232,8 +232,10 @@ def _said(rate: float, peak: Peak, whose: str, after: str) -> Claim:
 
 
 def percent(share: float) -> str:
-    """'38%', and a small share's two figures ('0.041%')."""
-    return f"{share:.0%}" if share >= 0.01 else f"{share * 100:.2g}%"
+    """'38%'; a small share '0.41%', 'under 0.01%'."""
+    if share >= 0.01:
+        return f"{share:.0%}"
+    return f"{share:.2%}" if share >= 0.0001 else "under 0.01%"
 
 
 def device() -> Device | None:

@@ -357,6 +357,11 @@ def test_the_docs_lines_are_what_the_code_says():
     assert peaks.claim(bf16, 0.21 * 989.4e12 * 16 / 132, mig).text == (
         "MFU 21% of the MIG 1g.10gb slice's share (16 of its 132 multiprocessors) of the "
         "H100 SXM's bf16 dense peak (120 TFLOP/s)")
+    mixed = Work(flops=9 * 10**11, by_dtype={"c10::BFloat16": 8 * 10**11, "float": 10**11},
+                 on_device=9 * 10**11)
+    assert peaks.claim(mixed, 0.12 * 989.4e12, h100).text == (
+        "MFU 12% of the H100 SXM's bf16 dense peak (989 TFLOP/s); 89% of the counted FLOPs "
+        "were bf16, the rest fp32")
     assert peaks.claim(bf16, 0.41 * 700e12, h100, yours={"bf16": 700e12}).text == (
         "MFU 41% of your bf16 peak (700 TFLOP/s)")
     assert peaks.claim(bf16, 0.6 * 989.4e12, h100, compiled_kernels=12).text == (

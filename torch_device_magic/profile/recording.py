@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +104,9 @@ class Recording:
         self.running = False  # a session of ours records
         self.pieces: list[Any] = []  # each session's torch.autograd.profiler.profile, stopped
         self.to_end = True  # the last session recorded to the end (the cell ended unpaused)
+        # the seconds of torch's profiler's first start in this process, where this
+        # recording made it (it imports torch._dynamo and sympy: a second or so, once)
+        self.first_start_s: float | None = None
 
     def start(self) -> None:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
@@ -132,8 +136,13 @@ class Recording:
         start and a resume mid-cell alike, or every later %%profile is refused."""
         with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
             warnings.simplefilter("always")
+            first = not _started
+            t0 = time.perf_counter()
             try:
                 self.prof.start()
+                _mark_started()
+                if first:
+                    self.first_start_s = time.perf_counter() - t0
             except BaseException:
                 if not torch.autograd._profiler_enabled():
                     torch.autograd.profiler._is_profiler_enabled = False
@@ -210,6 +219,14 @@ class Recording:
         finally:
             _release(self.prof)
             self.spare.clear()  # freed once nothing records: they count no more
+
+
+_started = False  # a recording of ours started torch's profiler in this process
+
+
+def _mark_started() -> None:
+    global _started
+    _started = True
 
 
 _WARN_EVERY = 1000  # torch's CPU allocator warns once per this many frees it cannot size

@@ -3,6 +3,8 @@ the one-time start of torch's profiler said where it happened."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kernel import execute, notebook, texts
 
@@ -67,3 +69,21 @@ def test_the_first_start_of_torchs_profiler_is_said_once_in_a_kernel():
     assert first.count(FIRST) == 1
     assert "%%profile In[2]" in first
     assert all(FIRST not in text and "%%profile In[" in text for text in later)
+
+
+def test_the_trace_of_several_sessions_is_one_json_file_written_before_the_report(ip, tmp_path):
+    """The later sessions' events are spliced into kineto's first file: one JSON document
+    with every session's ops, the metadata once, a `]` in the path no matter; the file is
+    complete when the report is there."""
+    path = tmp_path / "run[1].json"
+    ip.run_cell("import torch")
+    report = ip.run_cell(
+        f"%%profile -o --trace {path}\na = torch.zeros(2)\nfor i in range(20):\n"
+        "    y = torch.ones(2)\nb = torch.empty(2)\nfor j in range(20):\n"
+        "    z = torch.full((2,), 1.0)\nc = torch.eye(2)").result
+    assert report.trace_path == str(path) and report.trace_bytes == path.stat().st_size
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [e.get("name") for e in events]
+    assert {"aten::zeros", "aten::empty", "aten::eye"} <= set(names)  # each session's
+    assert names.count("aten::ones") == names.count("aten::full") == 6
+    assert names.count("process_name") == 1

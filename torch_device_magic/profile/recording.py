@@ -221,6 +221,8 @@ class Recording:
             self.spare.clear()  # freed once nothing records: they count no more
 
 
+_TAIL = 8192  # bytes: kineto's trace ends `}\n  ],"traceName": "PATH" }`
+
 _started = False  # a recording of ours started torch's profiler in this process
 
 
@@ -263,27 +265,44 @@ class Pieces:
 
     def export_chrome_trace(self, path: str) -> None:
         """One trace file (gzipped where `path` ends in .gz, as torch's): the sessions'
-        events together (kineto stamps them all from one base time)."""
+        events together (kineto stamps them all from one base time). The first session,
+        the largest (the steps window's), is kineto's file as it wrote it, never parsed
+        again: the later sessions' events are spliced in before its events' list ends."""
         if not self.pieces:
             raise RuntimeError("nothing was recorded")
+        if path.endswith(".gz"):
+            with tempfile.TemporaryDirectory() as folder:
+                plain = os.path.join(folder, "trace.json")
+                self._export(plain)
+                with open(plain, "rb") as f, gzip.open(path, "wb") as out:
+                    shutil.copyfileobj(f, out)
+            return
+        self._export(path)
+
+    def _export(self, path: str) -> None:
+        self.pieces[0].export_chrome_trace(path)  # kineto's JSON, whatever the name
+        if len(self.pieces) == 1:
+            return
+        later: list[Any] = []
         with tempfile.TemporaryDirectory() as folder:
-            parts = [os.path.join(folder, f"{i}.json") for i in range(len(self.pieces))]
-            for piece, part in zip(self.pieces, parts):
-                piece.export_chrome_trace(part)  # kineto's JSON, whatever the name
-            opener: Any = gzip.open if path.endswith(".gz") else open
-            with opener(path, "wb") as out:
-                if len(parts) == 1:
-                    with open(parts[0], "rb") as f:
-                        shutil.copyfileobj(f, out)
-                    return
-                with open(parts[0]) as f:
-                    trace = json.load(f)
-                for part in parts[1:]:
-                    with open(part) as f:
-                        events = json.load(f)["traceEvents"]
-                    trace["traceEvents"] += [e for e in events if e.get("ph") != "M"]  # not
-                    # the metadata, the first session's
-                out.write(json.dumps(trace, separators=(",", ":")).encode())
+            part = os.path.join(folder, "part.json")
+            for piece in self.pieces[1:]:
+                piece.export_chrome_trace(part)
+                with open(part) as f:
+                    # not the metadata, the first session's
+                    later += [e for e in json.load(f)["traceEvents"] if e.get("ph") != "M"]
+        with open(path, "r+b") as out:
+            size = out.seek(0, os.SEEK_END)
+            out.seek(max(size - _TAIL, 0))
+            tail = out.read()
+            # the list's end: the last "]" before "traceName" (whose path may hold one)
+            end = tail.rfind(b"]", 0, max(tail.rfind(b'"traceName"'), 0))
+            if end < 0:
+                raise ValueError("kineto's trace ends in an unknown form")
+            out.seek(size - len(tail) + end)
+            out.truncate()
+            events = json.dumps(later, separators=(",", ":"))[1:-1]
+            out.write(b"," + events.encode() + tail[end:])
 
     def trees(self) -> list[list[Any]]:
         """Each session's event tree (memtimeline's)."""

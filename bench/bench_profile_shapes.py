@@ -319,7 +319,8 @@ def run_worker(where: str, package: str, path: str, args: argparse.Namespace) ->
 def summary(name: str, got: dict, shapes: list[str]) -> None:
     import re
 
-    said = re.search(r"[\d.]+ s of it was torch's profiler[^\n]*", got["first_text"])
+    said = re.search(r"[\d.]+ (µs|ms|s) of this cell's time was torch's profiler[^\n]*",
+                     got["first_text"])
     print(f"  {name}: first capture (a tiny cell) {got['first']:.2f} s"
           + (f"; the report: \"{said.group(0)}\"" if said else ""))
     for shape in shapes:

@@ -21,9 +21,10 @@ started) goes to the line whose range was innermost when it started, a kernel
 to the line of the op that launched it. The tracer also counts the threads the
 cell starts (`threading.settrace`, once a thread), so that without `--threads`
 the overview says their ops are missing. The ranges
-are in the trace too, named by their line. A traced line costs a few µs
-(`bench/bench_profile.py` measures it); frames of other code pay one call of
-the tracer each.
+are in the trace too, named by their line. A traced line costs about a µs
+past the steps window, where no range is opened (docs/profile.md, "How lines are
+timed over every step"; `bench/bench_profile_shapes.py` measures it); frames of
+other code pay one call of the tracer each.
 
 A long loop. Where the cell has loops at its top level, the tracer counts each
 loop's steps, each time it is entered, and pauses the profiler (its session stopped

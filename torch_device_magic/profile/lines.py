@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import CodeType, FrameType
@@ -72,8 +71,15 @@ class LineTracer:
         self.loops = loops or {}
         self.full_steps = full_steps
         self.loop_steps: dict[int, list[int]] = {}  # a loop's header -> steps, each entry
-        self.hits: Counter[str] = Counter()
-        self.wall_ns: Counter[str] = Counter()
+        # per line seen, by its number (0: no line; the tracer's hot path indexes lists):
+        self._line_names: list[str] = [""]  # its range's name
+        self._hits: list[int] = [0]
+        self._wall: list[int] = [0]  # ns it was the innermost line
+        self._ids: dict[CodeType, dict[int, int]] = {}  # a code's lines -> their numbers
+        self._key_ids: dict[tuple[str, int], int] = {}  # (file, line) -> number
+        # an outer loop's body lines -> its header; its header -> -1 (never a loop's)
+        self._loop_of: dict[int, int] = {n: h for h, body in self.loops.items() for n in body}
+        self._loop_of.update(dict.fromkeys(self.loops, -1))
         self._window = window if full_steps else None
         self._recording = True  # the profiler records, and ranges are opened
         self._past = False  # in a loop's steps past the window
@@ -83,8 +89,8 @@ class LineTracer:
         self._paused_at = 0
         self.left_out = False  # the profiler was paused at least once
         self.cuts: list[int | None] = []  # per pause, the outer loop whose steps ran then
-        self._innermost: list[str | None] = []  # per traced frame, its line running
-        self._since = 0
+        self._innermost: list[int] = []  # per traced frame, the number of its line running
+        self._since = [0]  # when the last event came (a list: the hot path's closures share it)
         self._header: int | None = None
         self._loop: int | None = None  # the outer loop whose steps run
 
@@ -124,12 +130,13 @@ class LineTracer:
         the `recorded` rows (of what the profiler recorded)."""
         by_where = {(r.where, r.code): r for r in recorded}
         out = []
-        for name, (where, code) in self.names.items():
-            if not self.hits[name]:
+        for i, name in enumerate(self._line_names):
+            if not self._hits[i]:
                 continue
+            where, code = self.names[name]
             row = by_where.get((where, code))
             out.append(LineRow(
-                where=where, code=code, hits=self.hits[name], wall_s=self.wall_ns[name] / 1e9,
+                where=where, code=code, hits=self._hits[i], wall_s=self._wall[i] / 1e9,
                 cpu_s=row.cpu_s if row else 0.0, device_s=row.device_s if row else None,
                 allocated_bytes=row.allocated_bytes if row else 0, flops=row.flops if row else 0,
             ))
@@ -138,9 +145,9 @@ class LineTracer:
     def _charge(self) -> None:
         """The time since the last event, to the line that was innermost."""
         now = time.perf_counter_ns()
-        if self._innermost and self._innermost[-1] is not None:
-            self.wall_ns[self._innermost[-1]] += now - self._since
-        self._since = now
+        if self._innermost:
+            self._wall[self._innermost[-1]] += now - self._since[0]
+        self._since[0] = now
 
     def _count(self, lineno: int) -> None:
         """A line of the cell's top level ran: a step begins where an outer loop's body
@@ -183,7 +190,7 @@ class LineTracer:
         finally:
             now = time.perf_counter_ns()
             self.switch_ns += now - t0
-            self._since = now  # the switch is no line's
+            self._since[0] = now  # the switch is no line's
         self._recording = record
         if record:
             self.paused_ns += t0 - self._paused_at
@@ -191,10 +198,11 @@ class LineTracer:
             self._paused_at, self.left_out = now, True
             self.cuts.append(self._loop)
 
-    def _name(self, code: CodeType, lineno: int) -> str:
+    def _line(self, code: CodeType, lineno: int) -> int:
+        """The number of `code`'s line `lineno` (a line's first event: named here)."""
         key = (code.co_filename, lineno)
-        name = self._keys.get(key)
-        if name is None:
+        i = self._key_ids.get(key)
+        if i is None:
             if code.co_filename == self.cell_file:
                 where = str(lineno + self.shift)
             else:
@@ -203,41 +211,63 @@ class LineTracer:
             name = f"{LINE_PREFIX}{self.cell_label} {where}: {text[:80]}"
             self._keys[key] = name
             self.names[name] = (where, text)
-        return name
+            i = self._key_ids[key] = len(self._line_names)
+            self._line_names.append(name)
+            self._hits.append(0)
+            self._wall.append(0)
+        self._ids[code][lineno] = i
+        return i
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         code = frame.f_code
         if code.co_filename != self.cell_file and code not in self.codes:
             return None
         opened: list[Any] = []
-        enter, name_of, innermost, hits = self._range, self._name, self._innermost, self.hits
         top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
         if top:
             self._loop, self._past = None, False  # a run of the cell begins
         self._charge()
-        innermost.append(None)
+        # the hot path (every line of every step): locals, lists indexed by the line's
+        # number, no call but the clock's where nothing is due
+        enter, names, innermost, hits, wall = (
+            self._range, self._line_names, self._innermost, self._hits, self._wall)
+        since, clock, line_of, loop_of = self._since, time.perf_counter_ns, self._line, (
+            self._loop_of if top else None)
+        ids = self._ids.setdefault(code, {})
+        innermost.append(0)
 
         def local(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line" and frame.f_lineno:  # not line 0: a one-expression cell
-                name = name_of(frame.f_code, frame.f_lineno)
-                self._charge()
-                innermost[-1] = name
-                ran = hits[name]
-                hits[name] = ran + 1
+            if event == "line":
+                lineno = frame.f_lineno
+                try:
+                    i = ids[lineno]
+                except KeyError:
+                    if not lineno:  # line 0: a one-expression cell
+                        return frame.f_trace
+                    i = line_of(frame.f_code, lineno)
+                now = clock()
+                wall[innermost[-1]] += now - since[0]
+                since[0] = now
+                innermost[-1] = i
+                ran = hits[i]
+                hits[i] = ran + 1
                 if opened:
                     opened.pop().__exit__(None, None, None)
-                if top:
-                    self._count(frame.f_lineno)
+                # a step's line: its loop's, where no header came before it
+                if loop_of is not None and (
+                        self._header is not None or loop_of.get(lineno) != self._loop):
+                    self._count(lineno)
                 if self._window is not None and (  # a switch is due, or may be
                         not ran or self._first is not None or self._past == self._recording):
                     self._switch(len(innermost), not ran)
                 if self._recording:
-                    span = enter(name)
+                    span = enter(names[i])
                     span.__enter__()
                     opened.append(span)
             elif event == "return":
-                self._charge()
-                innermost.pop()
+                now = clock()
+                wall[innermost.pop()] += now - since[0]
+                since[0] = now
                 if opened:
                     opened.pop().__exit__(None, None, None)
             # itself, read from the frame: a closure naming itself would be a reference
@@ -249,7 +279,7 @@ class LineTracer:
     def start(self) -> None:
         self._previous = sys.gettrace()
         self._previous_threads = threading.gettrace()
-        self._since = time.perf_counter_ns()
+        self._since[0] = time.perf_counter_ns()
         sys.settrace(self._call)
         threading.settrace(self._thread)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from ..errors import first_sentence
 from ..kineto.analysis import Analysis, analyse
 from ..kineto.events import Event
 from ..probes import cuda_built, nvml_gpu_count, runtime_up
-from ..units import plural
+from ..units import fmt_seconds, plural
 from .capture import Options, Recorded
 from .lines import LineTracer
 from .recording import ALL_THREADS, Pieces
@@ -59,6 +60,7 @@ def read(
         # what the events cover: the wall less the pauses and the profiler's switches
         analysis.recorded_s = max(wall - (tracer.paused_ns + tracer.switch_ns) / 1e9, 0.0)
     notes = _device_notes(analysis, events, recorded.heard, cuda)
+    notes.extend(_first_start(recorded.recording.first_start_s))
     if not cuda and runtime_up("cuda"):
         notes.append("CUDA started in this cell, after recording began: its device "
                      "activity is not in this profile (run the cell again, or --warmup 1, "
@@ -115,6 +117,19 @@ def _write_trace(
         notes.append(f"the trace could not be written to {path}: {why}")
         return None, 0
     return path, size
+
+
+FIRST_START_S = 0.1  # a first start that took less says nothing worth a line
+
+
+def _first_start(seconds: float | None) -> list[str]:
+    """The line that says the one-time start of torch's profiler, where this capture made it
+    (the per-cell time says "(profiled)" and includes it; the wall above does not)."""
+    if seconds is None or seconds < FIRST_START_S:
+        return []
+    where = "kernel" if "ipykernel" in sys.modules else "session"
+    return [f"{fmt_seconds(seconds)} of this cell's time was torch's profiler starting for the "
+            f"first time in this {where} (once: its imports)"]
 
 
 def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool) -> list[str]:

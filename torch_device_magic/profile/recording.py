@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +104,9 @@ class Recording:
         self.running = False  # a session of ours records
         self.pieces: list[Any] = []  # each session's torch.autograd.profiler.profile, stopped
         self.to_end = True  # the last session recorded to the end (the cell ended unpaused)
+        # the seconds of torch's profiler's first start in this process, where this
+        # recording made it (it imports torch._dynamo and sympy: a second or so, once)
+        self.first_start_s: float | None = None
 
     def start(self) -> None:
         """Start recording (DeviceMagicError where torch refuses; nothing is left on then);
@@ -132,8 +136,13 @@ class Recording:
         start and a resume mid-cell alike, or every later %%profile is refused."""
         with warnings.catch_warnings(record=True) as warned, quiet_stderr(self.heard) as caught:
             warnings.simplefilter("always")
+            first = not _started
+            t0 = time.perf_counter()
             try:
                 self.prof.start()
+                _mark_started()
+                if first:
+                    self.first_start_s = time.perf_counter() - t0
             except BaseException:
                 if not torch.autograd._profiler_enabled():
                     torch.autograd.profiler._is_profiler_enabled = False
@@ -212,6 +221,16 @@ class Recording:
             self.spare.clear()  # freed once nothing records: they count no more
 
 
+_TAIL = 8192  # bytes: kineto's trace ends `}\n  ],"traceName": "PATH" }`
+
+_started = False  # a recording of ours started torch's profiler in this process
+
+
+def _mark_started() -> None:
+    global _started
+    _started = True
+
+
 _WARN_EVERY = 1000  # torch's CPU allocator warns once per this many frees it cannot size
 
 
@@ -246,27 +265,44 @@ class Pieces:
 
     def export_chrome_trace(self, path: str) -> None:
         """One trace file (gzipped where `path` ends in .gz, as torch's): the sessions'
-        events together (kineto stamps them all from one base time)."""
+        events together (kineto stamps them all from one base time). The first session,
+        the largest (the steps window's), is kineto's file as it wrote it, never parsed
+        again: the later sessions' events are spliced in before its events' list ends."""
         if not self.pieces:
             raise RuntimeError("nothing was recorded")
+        if path.endswith(".gz"):
+            with tempfile.TemporaryDirectory() as folder:
+                plain = os.path.join(folder, "trace.json")
+                self._export(plain)
+                with open(plain, "rb") as f, gzip.open(path, "wb") as out:
+                    shutil.copyfileobj(f, out)
+            return
+        self._export(path)
+
+    def _export(self, path: str) -> None:
+        self.pieces[0].export_chrome_trace(path)  # kineto's JSON, whatever the name
+        if len(self.pieces) == 1:
+            return
+        later: list[Any] = []
         with tempfile.TemporaryDirectory() as folder:
-            parts = [os.path.join(folder, f"{i}.json") for i in range(len(self.pieces))]
-            for piece, part in zip(self.pieces, parts):
-                piece.export_chrome_trace(part)  # kineto's JSON, whatever the name
-            opener: Any = gzip.open if path.endswith(".gz") else open
-            with opener(path, "wb") as out:
-                if len(parts) == 1:
-                    with open(parts[0], "rb") as f:
-                        shutil.copyfileobj(f, out)
-                    return
-                with open(parts[0]) as f:
-                    trace = json.load(f)
-                for part in parts[1:]:
-                    with open(part) as f:
-                        events = json.load(f)["traceEvents"]
-                    trace["traceEvents"] += [e for e in events if e.get("ph") != "M"]  # not
-                    # the metadata, the first session's
-                out.write(json.dumps(trace, separators=(",", ":")).encode())
+            part = os.path.join(folder, "part.json")
+            for piece in self.pieces[1:]:
+                piece.export_chrome_trace(part)
+                with open(part) as f:
+                    # not the metadata, the first session's
+                    later += [e for e in json.load(f)["traceEvents"] if e.get("ph") != "M"]
+        with open(path, "r+b") as out:
+            size = out.seek(0, os.SEEK_END)
+            out.seek(max(size - _TAIL, 0))
+            tail = out.read()
+            # the list's end: the last "]" before "traceName" (whose path may hold one)
+            end = tail.rfind(b"]", 0, max(tail.rfind(b'"traceName"'), 0))
+            if end < 0:
+                raise ValueError("kineto's trace ends in an unknown form")
+            out.seek(size - len(tail) + end)
+            out.truncate()
+            events = json.dumps(later, separators=(",", ":"))[1:-1]
+            out.write(b"," + events.encode() + tail[end:])
 
     def trees(self) -> list[list[Any]]:
         """Each session's event tree (memtimeline's)."""

@@ -51,6 +51,8 @@ from IPython.core.displaypub import DisplayPublisher
 from .cells import cell_names, first_code_line, names_bound, names_changed, only_comments, python_of
 from .history import History
 from .kernel_publish import publish
+from .live import LiveLine
+from .live.engine import Ended
 from .measure import Measurement, Meter
 from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds, plural
@@ -100,6 +102,9 @@ class CellReporter:
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
         # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
+        # The live line under a long cell (live/): replaced by the report at the end.
+        self.live = LiveLine()
+        self._live_ended: Ended | None = None
 
     @property
     def registered(self) -> bool:
@@ -127,6 +132,7 @@ class CellReporter:
         """Stop reporting on `ip`; the history stays."""
         if self._meter is not None:
             self._meter.close()
+        self.live.close()
         self._unwatch_stdout()
         self._meter = self._shell = None
         self._open = []
@@ -178,9 +184,11 @@ class CellReporter:
         if self.min_bytes:
             limits.append(f"at least {fmt_bytes(self.min_bytes)}")
         shown = f"cells reaching {' or '.join(limits)}" if limits else "every cell"
+        delay = self.live.delay_s
+        live = f"live line after {fmt_seconds(delay)}" if delay else "live line off"
         line = (
             f"per-cell report: {'on' if self.registered else 'off'} ({shown}; "
-            f"synchronise: {'on' if self.sync else 'off'}); "
+            f"synchronise: {'on' if self.sync else 'off'}; {live}); "
             f"{plural(len(self.history), 'cell')} in the history (%devhistory)"
         )
         if not self.registered:
@@ -287,11 +295,29 @@ class CellReporter:
                 self._watch_stdout()
             assert self._meter is not None  # registered only with a meter
             self._meter.start()
+            self.live.start(self._shell, self._printing,
+                            getattr(self._meter.host, "start_bytes", None))
         except Exception as err:
             _log.debug("starting the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
 
     def post_run_cell(self, result: Any) -> None:
+        try:
+            self._post_run_cell(result)
+        finally:
+            self._end_live()
+
+    def _end_live(self) -> None:
+        """Empty the live display that the report did not take the place of."""
+        ended, self._live_ended = self._live_ended, None
+        if ended is None or ended.display is None:
+            return
+        try:
+            publish(self._shell.display_pub, {"text/plain": ""}, ended.display.display_id)
+        except Exception:
+            _log.debug("the live line could not be emptied", exc_info=True)
+
+    def _post_run_cell(self, result: Any) -> None:
         # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
         info = getattr(result, "info", None)
         cells = self._open
@@ -311,6 +337,7 @@ class CellReporter:
             self._note_cuda(result)  # before the hint, which names that cell
         measured = None
         if outermost:
+            self._stop_live()  # before the report: no tick after it, the line erased
             self._unwatch_stdout()
             try:
                 if self._fault is None and self._meter is not None:
@@ -332,6 +359,8 @@ class CellReporter:
             if measured is not None:
                 if self.advise is not None and self._adopted is None:
                     measured.notes = self.advise(measured, result)
+                if self._live_ended is not None and self._live_ended.dropped:
+                    measured.notes = (*measured.notes, *self._live_ended.dropped)
                 self._record(measured, result.execution_count)
         except Exception as err:
             _log.debug("recording the measurement failed", exc_info=True)
@@ -386,8 +415,19 @@ class CellReporter:
             note = " (profiled)" if self._profiled else ""
             if self._printing:
                 self._print(record.text(note))
+                return
+            ended = self._live_ended
+            if ended is not None and ended.display is not None and ended.replace:
+                self._live_ended = None  # in place: the display becomes the report
+                publish(self._shell.display_pub, record.bundle(note), ended.display.display_id)
             else:
                 publish(self._shell.display_pub, record.bundle(note))
+
+    def _stop_live(self) -> None:
+        try:
+            self._live_ended = self.live.stop()
+        except Exception:
+            _log.debug("stopping the live line failed", exc_info=True)
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""

@@ -1,0 +1,68 @@
+"""What the live line reads once a tick, through `probes` alone; a part that fails once is
+dropped for the rest of the cell, and why is kept for the cell's report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..probes import Accelerator, active_accelerator, clock, cpu_seconds, rss_bytes
+from .text import Reading
+from .where import cell_line
+
+
+class Reader:
+    """The ticks of one cell: elapsed from the clock, where the main thread is, host memory
+    and its change, cores busy since the last tick, the accelerator's allocator figures
+    (only where its runtime is up: nothing is started, nothing synchronised)."""
+
+    def __init__(self, started: float, main_thread: int) -> None:
+        self.started = started
+        self.main_thread = main_thread
+        self.dropped: dict[str, str] = {}  # part: why it was dropped
+        self.host_start_bytes: int | None = None  # the cell's; else the first tick's
+        self._cpu: tuple[float, float] | None = None  # (clock, CPU time) at the last tick
+        self._accel: Accelerator | bool | None = False  # False: not looked for yet
+
+    def read(self) -> Reading:
+        now = clock()
+        where = self._part("where", cell_line, self.main_thread)
+        host = self._part("host memory", rss_bytes)
+        if host is not None and self.host_start_bytes is None:
+            self.host_start_bytes = host
+        host0 = self.host_start_bytes
+        cores = self._part("cores busy", self._cores, now)
+        device, allocated, peak = self._part("device memory", self._device) or (None, None, None)
+        return Reading(
+            elapsed_s=now - self.started, where=where, host_bytes=host,
+            host_delta_bytes=None if host is None or host0 is None else host - host0,
+            cores_busy=cores, device=device, device_bytes=allocated, device_peak_bytes=peak,
+        )
+
+    def _part(self, name: str, read: Any, *args: Any) -> Any:
+        if name in self.dropped:
+            return None
+        try:
+            return read(*args)
+        except Exception as err:
+            self.dropped[name] = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            return None
+
+    def _cores(self, now: float) -> float | None:
+        cpu, last = cpu_seconds(), self._cpu
+        self._cpu = (now, cpu)
+        if last is None or now <= last[0]:
+            return None
+        return max(0.0, (cpu - last[1]) / (now - last[0]))
+
+    def _device(self) -> tuple[str, int | None, int | None] | None:
+        if self._accel is False:
+            self._accel = active_accelerator()
+        accel = self._accel
+        if not isinstance(accel, Accelerator):
+            return None
+        counters = accel.counters()
+        return accel.name, counters.allocated_bytes, counters.peak_bytes
+
+    def why_dropped(self) -> list[str]:
+        """One sentence a part that failed: what the final report says."""
+        return [f"live line: {name} was not read ({why})" for name, why in self.dropped.items()]

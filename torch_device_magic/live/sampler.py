@@ -1,0 +1,104 @@
+"""The one thread of the session that ticks the live line of the cell running now.
+
+It is started with the first cell, and sleeps on a condition between cells: a cell pays
+a notify at its start and at its end, and a short cell nothing more. While a cell runs,
+it waits for the delay, then ticks about once a `period_s`; `end` returns only when no
+tick of that cell can draw any more. A fork (a DataLoader's workers) copies no thread:
+the child forgets it (`os.register_at_fork`), and starts none of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+
+from ..probes import clock
+
+_log = logging.getLogger(__name__)
+_samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
+
+
+class Sampler:
+    """Calls `tick()` of the cell begun, `delay_s` after its start and each `period_s`."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self._cond = threading.Condition()
+        self._tick: Callable[[], None] | None = None
+        self._next = 0.0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._ticking = False  # a tick runs now, outside the condition
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def begin(self, tick: Callable[[], None], first_at: float) -> None:
+        """Tick `tick` from the clock's `first_at` on, until `end`."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="torch_device_magic live line", daemon=True)
+                _samplers.add(self)
+                self._thread.start()
+            self._tick, self._next = tick, first_at
+            self._cond.notify()
+
+    def end(self) -> None:
+        """Stop ticking the cell begun; when this returns, no tick of it runs."""
+        with self._cond:
+            self._tick = None
+            while self._ticking and self._thread is not threading.current_thread():
+                self._cond.wait()
+
+    def close(self) -> None:
+        """End the thread (at unload); waits for it."""
+        with self._cond:
+            self._tick, self._closed = None, True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        self._thread = None
+
+    def _forked(self) -> None:
+        """In a forked child: the thread is not there; the condition may be held by it."""
+        self._cond = threading.Condition()
+        self._tick, self._thread, self._ticking, self._closed = None, None, False, True
+
+    def _run(self) -> None:
+        cond = self._cond
+        with cond:
+            while not self._closed:
+                tick = self._tick
+                if tick is None:
+                    cond.wait()
+                    continue
+                wait = self._next - clock()
+                if wait > 0:
+                    cond.wait(wait)
+                    continue
+                self._ticking = True
+                cond.release()
+                try:
+                    tick()
+                except Exception:  # never into the cell; the line just stops changing
+                    _log.debug("a live tick failed", exc_info=True)
+                finally:
+                    cond.acquire()
+                    self._ticking = False
+                    cond.notify_all()
+                self._next = max(self._next + self.period_s, clock() + 0.05)
+
+
+def _after_fork_in_child() -> None:
+    for sampler in list(_samplers):
+        sampler._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

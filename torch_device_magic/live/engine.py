@@ -74,6 +74,7 @@ class LiveLine:
             return  # neither a kernel whose IOPub we can queue on nor a terminal
         self._cell = _Cell(started, printing, publisher, parent)
         self._cell.reader.host_start_bytes = host_bytes
+        self._cell.reader.begin_cpu(started)
         self._sampler.begin(self._tick, started + self.delay_s)
 
     def _tick(self) -> None:

@@ -23,6 +23,10 @@ class Reader:
         self._cpu: tuple[float, float] | None = None  # (clock, CPU time) at the last tick
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
 
+    def begin_cpu(self, now: float) -> None:
+        """The process's CPU time at the cell's start: cores busy from the first tick on."""
+        self._part("cores busy", lambda: setattr(self, "_cpu", (now, cpu_seconds())))
+
     def read(self) -> Reading:
         now = clock()
         where = self._part("where", cell_line, self.main_thread)

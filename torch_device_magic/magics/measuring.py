@@ -62,8 +62,9 @@ class TorchDeviceMeasureMagics(MagicsGroup):
                                    f"{args.switch!r} (%devreport live on|off switches the "
                                    "live line)")
         elif args.mode not in ("on", "off", "status"):
-            raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r}")
-        if args.mode != "status":
+            raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r} "
+                                   "(or live on|off, for the live line)")
+        elif args.mode != "status":
             self.core.auto_report = args.mode == "on"
             # %config keeps its value in the shell's config, which %reload_ext reads
             # again: the switch goes there too, so that the latest choice wins.

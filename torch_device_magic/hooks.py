@@ -103,8 +103,9 @@ class CellReporter:
         # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
         # The live line under a long cell (live/): replaced by the report at the end.
-        self.live = LiveLine()
+        self.live = LiveLine(lambda: self._line_open)
         self._live_ended: Ended | None = None
+        self._interrupted = False  # the outermost cell ended with Ctrl-C: its line says so
 
     @property
     def registered(self) -> bool:
@@ -357,6 +358,7 @@ class CellReporter:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
+                self._interrupted = isinstance(result.error_in_exec, KeyboardInterrupt)
                 if self.advise is not None and self._adopted is None:
                     measured.notes = self.advise(measured, result)
                 if self._live_ended is not None and self._live_ended.dropped:
@@ -408,11 +410,14 @@ class CellReporter:
 
     def _record(self, measured: Measurement, cell: int | None) -> None:
         adopted, self._adopted = self._adopted, None
+        interrupted, self._interrupted = self._interrupted, False
         record = adopted or measured
         record.cell = cell
         self.history.append(record)
         if adopted is None and self.shows(record):
             note = " (profiled)" if self._profiled else ""
+            if interrupted:
+                note += " (interrupted)"
             if self._printing:
                 self._print(record.text(note))
                 return

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from ..kernel_publish import parent_of
@@ -51,8 +52,9 @@ class _Cell:
 class LiveLine:
     """The session's live line: on when `delay_s` > 0, after that many seconds of a cell."""
 
-    def __init__(self) -> None:
+    def __init__(self, line_open: Callable[[], bool] = lambda: False) -> None:
         self.delay_s = 1.0
+        self._line_open = line_open  # the cell's output so far ends inside a line (terminal)
         self.label = DEFAULT_LABEL  # what the cell is doing: a magic sets it ('profiling')
         self._sampler = Sampler()
         self._cell: _Cell | None = None
@@ -86,7 +88,7 @@ class LiveLine:
             if cell.parent is not None:
                 cell.frontend = KernelDisplay(cell.publisher, cell.parent)
             elif _is_tty(sys.stdout):
-                cell.frontend = TerminalLine(sys.stdout)
+                cell.frontend = TerminalLine(sys.stdout, self._line_open())
             if cell.frontend is not None:
                 cell.watch = StreamWatch(cell.frontend.before_write)
                 cell.watch.install()

@@ -14,11 +14,11 @@ ERASE = "\r\x1b[2K"
 class TerminalLine:
     """The line on `stream` (a terminal), written past any wrapper of its `write`."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, line_open: bool) -> None:
         self.stream = stream
         self._lock = threading.Lock()  # held for one write of the line, or one erase
         self._drawn = False
-        self._line_open = False  # the cell's output ends inside a line: no room to draw
+        self._line_open = line_open  # the cell's output ends inside a line: no room to draw
 
     def _write(self, text: str) -> None:
         type(self.stream).write(self.stream, text)

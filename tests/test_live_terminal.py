@@ -81,7 +81,7 @@ def test_what_the_cell_prints_is_never_mixed_with_the_live_line(term):
 
 
 def test_a_line_left_open_is_not_drawn_over(term):
-    lines, raw = term.cell("print('part', end='', flush=True); time.sleep(0.6); print(' end')")
+    lines, _raw = term.cell("print('part', end='', flush=True); time.sleep(0.6); print(' end')")
     assert lines[0] == "part end" and lines[1].startswith("time "), lines
 
 

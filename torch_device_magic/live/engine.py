@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernel_publish import parent_of

@@ -75,7 +75,8 @@ class TorchDeviceMeasureMagics(MagicsGroup):
         """`%devreport live on|off`: the live_delay trait, 0 for off; on again restores
         the last delay that was not 0 (the default's otherwise)."""
         if switch not in ("on", "off"):
-            raise DeviceMagicError(f"%devreport live takes on or off, not {switch!r}")
+            said = "nothing" if switch is None else repr(switch)
+            raise DeviceMagicError(f"%devreport live takes on or off, not {said}")
         core = self.core
         if switch == "off":
             if core.live_delay:

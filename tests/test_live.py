@@ -1,0 +1,131 @@
+"""The live line in a shell (in-process): its words, its one thread, unloading, a read that
+fails, forks, the trait and %devreport live. What a kernel and a terminal show is in
+test_live_kernel.py and test_live_terminal.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from IPython.core.error import UsageError
+
+from torch_device_magic.live import engine, reads
+from torch_device_magic.live.text import Reading, clock_text, line
+
+LONG = "import time\ntime.sleep(0.35)\nx = 1"
+
+
+def live_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "torch_device_magic live line"]
+
+
+@pytest.fixture
+def term(ip, monkeypatch):
+    """The shell as a terminal: its stdout (pytest's capture) taken for a tty."""
+    monkeypatch.setattr(engine, "_is_tty", lambda stream: True)
+    ip.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    return ip
+
+
+def test_the_words_of_the_line():
+    reading = Reading(42.4, "at line 7: loss.backward()", 3 << 30, 1 << 29, 1.04,
+                      "cuda:0", 12 << 30, 14 << 30)
+    assert line("profiling", reading) == (
+        "profiling 0:42 | at line 7: loss.backward() | cuda:0 12.0 GiB allocated "
+        "(peak 14.0 GiB) | host 3.0 GiB (+512.0 MiB) | 1.0 cores busy")
+    assert clock_text(3723.9) == "1:02:03" and clock_text(59.99) == "0:59"
+    assert line("running", Reading(1.2)) == "running 0:01"
+
+
+def test_a_long_cell_draws_then_erases_the_line_before_the_report(term, capsys):
+    capsys.readouterr()
+    term.run_cell(LONG, store_history=True)
+    out = capsys.readouterr().out
+    drawn = out.index("\r\x1b[2Krunning 0:00 | at line 2: time.sleep(0.35) | host ")
+    report = out.index("time ")
+    assert drawn < out.rindex("\r\x1b[2K") < report, repr(out)
+    assert out.endswith("\n") and out[report:].count("\n") == 1, repr(out)
+
+
+def test_a_short_cell_draws_nothing(term, capsys):
+    capsys.readouterr()
+    term.run_cell("y = 2", store_history=True)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and out.startswith("time "), repr(out)
+
+
+def test_one_thread_for_the_session_stopped_at_unload(term):
+    before = live_threads()
+    for _ in range(2):
+        term.run_cell(LONG)
+    assert len(live_threads()) == len(before) + 1
+    term.run_line_magic("unload_ext", "torch_device_magic")
+    assert live_threads() == []
+
+
+def test_reload_leaves_one_thread(term):
+    before = len(live_threads())
+    term.run_cell(LONG)
+    term.run_line_magic("reload_ext", "torch_device_magic")
+    term.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    term.run_cell(LONG)
+    assert len(live_threads()) == before + 1
+
+
+def test_a_read_that_fails_is_dropped_once_and_the_report_says_why(term, capsys, monkeypatch):
+    calls = []
+
+    def gone():
+        calls.append(1)
+        raise OSError("proc went away")
+
+    monkeypatch.setattr(reads, "rss_bytes", gone)
+    capsys.readouterr()
+    term.run_cell("import time\ntime.sleep(0.5)", store_history=True)
+    out = capsys.readouterr().out
+    assert len(calls) == 1, calls
+    assert "running 0:00 | at line 2: time.sleep(0.5) | 0." in out, repr(out)
+    assert "live line: host memory was not read (OSError: proc went away)" in out, repr(out)
+
+
+def test_a_fork_in_a_live_cell_works(term, capsys):
+    term.run_cell(
+        "import multiprocessing, time\n"
+        "time.sleep(0.3)\n"
+        "with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+        "    got = pool.map(abs, [-1, -2, -3])\n"
+        "time.sleep(0.3)", store_history=True)
+    assert term.user_ns["got"] == [1, 2, 3]
+    assert "Warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1.0", "float('nan')"])
+def test_a_bad_delay_is_refused_and_changes_nothing(ip, value, caplog):
+    ip.run_line_magic("config", f"TorchDeviceMagics.live_delay = {value}")
+    assert "live_delay must be a finite number of seconds, 0 (off) or more" in caplog.text
+    magics = ip.magics_manager.registry["TorchDeviceMagics"]
+    assert magics.live_delay == 1.0 and magics.reporter.live.delay_s == 1.0
+
+
+def test_devreport_live_switches_and_says_how_it_is_set(ip, capsys):
+    ip.run_line_magic("config", "TorchDeviceMagics.live_delay = 2.5")
+    ip.run_line_magic("devreport", "live off")
+    assert "live line off" in capsys.readouterr().out
+    magics = ip.magics_manager.registry["TorchDeviceMagics"]
+    assert magics.live_delay == 0 and magics.reporter.live.delay_s == 0
+    ip.run_line_magic("devreport", "live on")
+    assert "live line after 2.50 s" in capsys.readouterr().out
+    assert magics.live_delay == 2.5 and magics.auto_report
+    ip.run_line_magic("devreport", "")
+    assert "live line after 2.50 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("line_", "message"), [
+    ("live maybe", "%devreport live takes on or off, not 'maybe'"),
+    ("live", "%devreport live takes on or off, not nothing"),
+    ("on live", "%devreport on takes nothing after it, not 'live'"),
+])
+def test_devreport_live_mistakes_are_one_usage_error(ip, line_, message):
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("devreport", line_)
+    assert str(err.value).startswith(message)

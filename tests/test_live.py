@@ -129,3 +129,18 @@ def test_devreport_live_mistakes_are_one_usage_error(ip, line_, message):
     with pytest.raises(UsageError) as err:
         ip.run_line_magic("devreport", line_)
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(("cell", "label"), [
+    ("%%profile\nimport time\ntime.sleep(0.5)", "profiling 0:00"),
+    ("%%nograd\nimport time\ntime.sleep(0.4)", "running without autograd 0:00"),
+    ("%%gpumem\nimport time\ntime.sleep(0.4)", "measuring 0:00"),
+    ("%%ondevice cpu\nimport time\ntime.sleep(0.4)", "running on cpu 0:00"),
+])
+def test_a_magic_says_what_it_is_doing(term, capsys, cell, label):
+    capsys.readouterr()
+    term.run_cell(cell, store_history=True)
+    out = capsys.readouterr().out
+    assert f"\r\x1b[2K{label} | " in out, repr(out)
+    term.run_cell(LONG, store_history=True)  # the next cell: the label is the cell's only
+    assert "\r\x1b[2Krunning 0:00 | at line 2" in capsys.readouterr().out

@@ -206,9 +206,15 @@ class CellReporter:
             self._adopted = measurement
 
     def mark_profiled(self) -> None:
-        """Say '(profiled)' in this cell's line (from %%profile)."""
+        """Say '(profiled)' in this cell's line (from %%profile), 'profiling' in its live line."""
         if len(self._open) == 1:
             self._profiled = True
+            self.live.label = "profiling"
+
+    def say_live(self, label: str) -> None:
+        """What the outermost cell is doing, first in its live line ('comparing 0:12')."""
+        if len(self._open) == 1:
+            self.live.label = label
 
     def plain_run(
         self, source: str, reads: Collection[str] = ()

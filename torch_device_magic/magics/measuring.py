@@ -127,6 +127,7 @@ class TorchDeviceMeasureMagics(MagicsGroup):
         if device is not None and device.type == "meta":
             raise DeviceMagicError("%%gpumem --device meta: meta tensors hold no memory, so "
                                    "there is nothing to measure (--device cpu: host memory)")
+        self.core.reporter.say_live("measuring")
         report, value = gpumem.measure(self.shell.user_ns, cells.compiled(self.shell, cell), device)
         self.core.reporter.adopt(report)
         if args.output:

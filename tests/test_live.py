@@ -9,7 +9,7 @@ import threading
 import pytest
 from IPython.core.error import UsageError
 
-from torch_device_magic.live import engine, reads
+from torch_device_magic.live import engine, reads, spark
 from torch_device_magic.live.text import Reading, clock_text, line
 
 LONG = "import time\ntime.sleep(0.35)\nx = 1"
@@ -144,3 +144,27 @@ def test_a_magic_says_what_it_is_doing(term, capsys, cell, label):
     assert f"\r\x1b[2K{label} | " in out, repr(out)
     term.run_cell(LONG, store_history=True)  # the next cell: the label is the cell's only
     assert "\r\x1b[2Krunning 0:00 | at line 2" in capsys.readouterr().out
+
+
+def test_the_sparkline_and_its_svg():
+    samples = [(t, b << 20) for t, b in enumerate([100, 200, 400, 800, 600, 300])]
+    text, svg = spark.picture("host", samples)
+    assert text == "host ▁▂▄█▆▃ peak 800.0 MiB at 0:03"
+    assert svg.startswith('<div class="tdm-spark">host <svg ') and "<polyline" in svg
+    assert spark.picture("host", samples[:1]) is None
+    assert len(spark.sparkline(list(range(1000)))) == spark.WIDTH
+
+
+def test_a_cell_of_five_seconds_gets_its_memory_picture_under_the_report(
+        term, capsys, monkeypatch):
+    monkeypatch.setattr(spark, "MIN_CELL_S", 0.5)  # a 5 s cell, made short for the test
+    term.magics_manager.registry["TorchDeviceMagics"].reporter.live.period_s = 0.1
+    capsys.readouterr()
+    term.run_cell("import time\nfor i in range(4):\n    time.sleep(0.2)", store_history=True)
+    out = capsys.readouterr().out.rsplit("\r\x1b[2K", 1)[1]  # after the line's last erase
+    report, picture = out.splitlines()
+    assert report.startswith("time "), out
+    assert picture.startswith("host ") and " peak " in picture, out
+    assert set(picture.split()[1]) <= set(spark.BARS), out
+    term.run_cell(LONG, store_history=True)  # 0.35 s: under the (patched) 0.5 s, no picture
+    assert len(capsys.readouterr().out.rsplit("\r\x1b[2K", 1)[1].splitlines()) == 1

@@ -124,3 +124,14 @@ def test_devreport_live_off_and_on(kernel):
     said = text(kernel.cell("%devreport live on")[0])
     assert "live line after 200.0 ms" in said, said
     assert display_id(kernel.cell("import time; time.sleep(0.45)")[0])
+
+
+def test_a_long_cells_report_carries_its_memory_as_a_small_svg(kernel):
+    kernel.cell("import torch_device_magic.live.spark as s; s.MIN_CELL_S, _min = 0.5, s.MIN_CELL_S\n"
+                "live = get_ipython().magics_manager.registry['TorchDeviceMagics'].reporter.live\n"
+                "live.period_s = 0.1")
+    messages = kernel.cell("import time\nfor i in range(4):\n    time.sleep(0.2)")
+    kernel.cell("s.MIN_CELL_S, live.period_s = _min, 1.0")
+    report = messages[-1]["content"]["data"]
+    assert report["text/plain"].startswith("time ") and "\nhost " in report["text/plain"]
+    assert '<div class="tdm-spark">host <svg' in report["text/html"], report

@@ -424,15 +424,19 @@ class CellReporter:
             note = " (profiled)" if self._profiled else ""
             if interrupted:
                 note += " (interrupted)"
-            if self._printing:
-                self._print(record.text(note))
-                return
             ended = self._live_ended
+            pictures = [] if ended is None else ended.pictures(record.wall_s)
+            if self._printing:
+                self._print("\n".join([record.text(note), *(text for text, _ in pictures)]))
+                return
+            bundle = record.bundle(note)
+            if pictures:
+                bundle = _with_pictures(bundle, pictures)
             if ended is not None and ended.display is not None and ended.replace:
                 self._live_ended = None  # in place: the display becomes the report
-                publish(self._shell.display_pub, record.bundle(note), ended.display.display_id)
+                publish(self._shell.display_pub, bundle, ended.display.display_id)
             else:
-                publish(self._shell.display_pub, record.bundle(note))
+                publish(self._shell.display_pub, bundle)
 
     def _stop_live(self) -> None:
         try:
@@ -501,6 +505,16 @@ class CellReporter:
             stream.write = write
         else:
             del stream.write
+
+
+def _with_pictures(bundle: dict[str, str], pictures: list[tuple[str, str]]) -> dict[str, str]:
+    """The report's bundle with the live line's pictures of memory under it."""
+    page = bundle["text/html"]
+    cut = page.rindex("</div>")  # inside the report's own div
+    return {
+        "text/plain": "\n".join([bundle["text/plain"], *(text for text, _ in pictures)]),
+        "text/html": page[:cut] + "".join(svg for _, svg in pictures) + page[cut:],
+    }
 
 
 def _code(source: str) -> str:

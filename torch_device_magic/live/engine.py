@@ -18,6 +18,7 @@ from typing import Any
 
 from ..kernel_publish import parent_of
 from ..probes import clock
+from . import spark
 from .kernel import KernelDisplay
 from .reads import Reader
 from .sampler import Sampler
@@ -37,6 +38,14 @@ class Ended:
     display: KernelDisplay | None = None
     replace: bool = False  # the report takes the display's place
     dropped: list[str] = field(default_factory=list)
+    samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+
+    def pictures(self, wall_s: float) -> list[tuple[str, str]]:
+        """The memory over the cell (text, HTML), for cells of spark.MIN_CELL_S or more."""
+        if wall_s < spark.MIN_CELL_S:
+            return []
+        drawn = (spark.picture(name, kept) for name, kept in self.samples.items())
+        return [p for p in drawn if p is not None]
 
 
 class _Cell:
@@ -54,6 +63,7 @@ class LiveLine:
 
     def __init__(self, line_open: Callable[[], bool] = lambda: False) -> None:
         self.delay_s = 1.0
+        self.period_s = 1.0  # between two ticks (tests make it shorter)
         self._line_open = line_open  # the cell's output so far ends inside a line (terminal)
         self.label = DEFAULT_LABEL  # what the cell is doing: a magic sets it ('profiling')
         self._sampler = Sampler()
@@ -77,7 +87,7 @@ class LiveLine:
         self._cell = _Cell(started, printing, publisher, parent)
         self._cell.reader.host_start_bytes = host_bytes
         self._cell.reader.begin_cpu(started)
-        self._sampler.begin(self._tick, started + self.delay_s)
+        self._sampler.begin(self._tick, started + self.delay_s, self.period_s)
 
     def _tick(self) -> None:
         cell = self._cell
@@ -104,7 +114,7 @@ class LiveLine:
         if cell.watch is not None:
             cell.watch.remove()
         frontend = cell.frontend
-        ended = Ended(dropped=cell.reader.why_dropped())
+        ended = Ended(dropped=cell.reader.why_dropped(), samples=cell.reader.samples)
         if isinstance(frontend, TerminalLine):
             frontend.erase()
         elif isinstance(frontend, KernelDisplay) and frontend.shown:

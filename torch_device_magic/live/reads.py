@@ -9,6 +9,8 @@ from ..probes import Accelerator, active_accelerator, clock, cpu_seconds, rss_by
 from .text import Reading
 from .where import cell_line
 
+MAX_SAMPLES = 240
+
 
 class Reader:
     """The ticks of one cell: elapsed from the clock, where the main thread is, host memory
@@ -19,6 +21,8 @@ class Reader:
         self.started = started
         self.main_thread = main_thread
         self.dropped: dict[str, str] = {}  # part: why it was dropped
+        # (elapsed, bytes) a tick, for the report's picture; halved past MAX_SAMPLES
+        self.samples: dict[str, list[tuple[float, int]]] = {}
         self.host_start_bytes: int | None = None  # the cell's; else the first tick's
         self._cpu: tuple[float, float] | None = None  # (clock, CPU time) at the last tick
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
@@ -36,11 +40,22 @@ class Reader:
         host0 = self.host_start_bytes
         cores = self._part("cores busy", self._cores, now)
         device, allocated, peak = self._part("device memory", self._device) or (None, None, None)
+        self._keep("host", now - self.started, host)
+        if device is not None:
+            self._keep(device, now - self.started, allocated)
         return Reading(
             elapsed_s=now - self.started, where=where, host_bytes=host,
             host_delta_bytes=None if host is None or host0 is None else host - host0,
             cores_busy=cores, device=device, device_bytes=allocated, device_peak_bytes=peak,
         )
+
+    def _keep(self, name: str, elapsed_s: float, value: int | None) -> None:
+        if value is None:
+            return
+        kept = self.samples.setdefault(name, [])
+        kept.append((elapsed_s, value))
+        if len(kept) > MAX_SAMPLES:  # every other one: an hour's cell keeps 2 a minute
+            kept[:] = kept[::2]
 
     def _part(self, name: str, read: Any, *args: Any) -> Any:
         if name in self.dropped:

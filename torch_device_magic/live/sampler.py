@@ -22,10 +22,10 @@ _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
 
 
 class Sampler:
-    """Calls `tick()` of the cell begun, `delay_s` after its start and each `period_s`."""
+    """Calls `tick()` of the cell begun, from a given time on, each `period_s` after."""
 
-    def __init__(self, period_s: float = 1.0) -> None:
-        self.period_s = period_s
+    def __init__(self) -> None:
+        self.period_s = 1.0
         self._cond = threading.Condition()
         self._tick: Callable[[], None] | None = None
         self._next = 0.0
@@ -37,9 +37,10 @@ class Sampler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def begin(self, tick: Callable[[], None], first_at: float) -> None:
-        """Tick `tick` from the clock's `first_at` on, until `end`."""
+    def begin(self, tick: Callable[[], None], first_at: float, period_s: float) -> None:
+        """Tick `tick` from the clock's `first_at` on, each `period_s`, until `end`."""
         with self._cond:
+            self.period_s = period_s
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="torch_device_magic live line", daemon=True)

@@ -127,7 +127,8 @@ def test_devreport_live_off_and_on(kernel):
 
 
 def test_a_long_cells_report_carries_its_memory_as_a_small_svg(kernel):
-    kernel.cell("import torch_device_magic.live.spark as s; s.MIN_CELL_S, _min = 0.5, s.MIN_CELL_S\n"
+    kernel.cell("import torch_device_magic.live.spark as s\n"
+                "s.MIN_CELL_S, _min = 0.5, s.MIN_CELL_S\n"
                 "live = get_ipython().magics_manager.registry['TorchDeviceMagics'].reporter.live\n"
                 "live.period_s = 0.1")
     messages = kernel.cell("import time\nfor i in range(4):\n    time.sleep(0.2)")

@@ -4,9 +4,11 @@ test_live_kernel.py and test_live_terminal.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
+from fakegpu import GIB, Gpu, GpuIsLost, loaded_with_gpu
 from IPython.core.error import UsageError
 
 from torch_device_magic.live import engine, reads, spark
@@ -168,3 +170,33 @@ def test_a_cell_of_five_seconds_gets_its_memory_picture_under_the_report(
     assert set(picture.split()[1]) <= set(spark.BARS), out
     term.run_cell(LONG, store_history=True)  # 0.35 s: under the (patched) 0.5 s, no picture
     assert len(capsys.readouterr().out.rsplit("\r\x1b[2K", 1)[1].splitlines()) == 1
+
+
+def test_on_a_gpu_busy_allocated_and_near_capacity(shell, monkeypatch, capsys):
+    machine = loaded_with_gpu(shell, monkeypatch, Gpu("A", total=80 * GIB))
+    monkeypatch.setattr(engine, "_is_tty", lambda stream: True)
+    shell.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    monkeypatch.setenv("COLUMNS", "300")  # the whole line: none cut at the width
+    machine.allocate(0, 75 * GIB)
+    capsys.readouterr()
+    shell.run_cell("import time, os\ntime.sleep(0.1)\n"
+                   "machine.sample(0, [97, 97, 97], pid=os.getpid())\ntime.sleep(0.3)",
+                   store_history=True)
+    out = capsys.readouterr().out
+    assert ("| GPU 97% busy | cuda:0 75.0 GiB allocated (peak 75.0 GiB of 80.0 GiB) | NEAR "
+            "CAPACITY: peak at 94% of the device's memory | host ") in out, repr(out)
+    assert machine.contexts == {0}, machine.contexts  # no context made anywhere else
+
+
+def test_on_a_gpu_far_from_capacity_and_nvml_gone(shell, monkeypatch, capsys):
+    machine = loaded_with_gpu(shell, monkeypatch, Gpu("A", total=80 * GIB, fail=GpuIsLost))
+    monkeypatch.setattr(engine, "_is_tty", lambda stream: True)
+    shell.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    monkeypatch.setenv("COLUMNS", "300")
+    machine.allocate(0, 2 * GIB)
+    capsys.readouterr()
+    shell.run_cell("import time\ntime.sleep(0.4)", store_history=True)
+    out = capsys.readouterr().out
+    assert ("running 0:00 | at line 2: time.sleep(0.4) | cuda:0 2.0 GiB allocated (peak 2.0 "
+            "GiB of 80.0 GiB) | host ") in out, repr(out)
+    assert "busy" not in out.split("cuda:0")[0] and "NEAR CAPACITY" not in out, repr(out)

@@ -3,9 +3,22 @@ dropped for the rest of the cell, and why is kept for the cell's report."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
-from ..probes import Accelerator, active_accelerator, clock, cpu_seconds, rss_bytes
+import torch
+
+from ..advice.thresholds import capacity_share
+from ..probes import (
+    Accelerator,
+    active_accelerator,
+    clock,
+    cpu_seconds,
+    guarded,
+    nvml_busy_percent,
+    rss_bytes,
+)
 from .text import Reading
 from .where import cell_line
 
@@ -26,6 +39,8 @@ class Reader:
         self.host_start_bytes: int | None = None  # the cell's; else the first tick's
         self._cpu: tuple[float, float] | None = None  # (clock, CPU time) at the last tick
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
+        self._total: int | None = None  # the device's memory, read once
+        self._nvml_since_us = int(time.time() * 1e6)  # NVML's clock: the last tick's
 
     def begin_cpu(self, now: float) -> None:
         """The process's CPU time at the cell's start: cores busy from the first tick on."""
@@ -40,6 +55,9 @@ class Reader:
         host0 = self.host_start_bytes
         cores = self._part("cores busy", self._cores, now)
         device, allocated, peak = self._part("device memory", self._device) or (None, None, None)
+        busy = self._part("GPU busy", self._busy) if device is not None else None
+        near = (None if peak is None or not self._total
+                else capacity_share(peak, self._total))
         self._keep("host", now - self.started, host)
         if device is not None:
             self._keep(device, now - self.started, allocated)
@@ -47,6 +65,7 @@ class Reader:
             elapsed_s=now - self.started, where=where, host_bytes=host,
             host_delta_bytes=None if host is None or host0 is None else host - host0,
             cores_busy=cores, device=device, device_bytes=allocated, device_peak_bytes=peak,
+            device_total_bytes=self._total, near_capacity=near, gpu_busy=busy,
         )
 
     def _keep(self, name: str, elapsed_s: float, value: int | None) -> None:
@@ -76,11 +95,22 @@ class Reader:
     def _device(self) -> tuple[str, int | None, int | None] | None:
         if self._accel is False:
             self._accel = active_accelerator()
+            if isinstance(self._accel, Accelerator) and self._accel.kind == "cuda":
+                props = guarded(torch.cuda.get_device_properties, self._accel.index)
+                self._total = getattr(props, "total_memory", None)  # CUDA is up: no start
         accel = self._accel
         if not isinstance(accel, Accelerator):
             return None
         counters = accel.counters()
         return accel.name, counters.allocated_bytes, counters.peak_bytes
+
+    def _busy(self) -> float | None:
+        """How busy the CUDA device was since the last tick (NVML's own samples)."""
+        accel = self._accel
+        if not isinstance(accel, Accelerator) or accel.kind != "cuda":
+            return None
+        since, self._nvml_since_us = self._nvml_since_us, int(time.time() * 1e6)
+        return nvml_busy_percent(accel.index, since, {os.getpid()})
 
     def why_dropped(self) -> list[str]:
         """One sentence a part that failed: what the final report says."""

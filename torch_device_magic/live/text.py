@@ -23,6 +23,9 @@ class Reading:
     device: str | None = None  # 'cuda:0', where an accelerator's runtime is up
     device_bytes: int | None = None  # allocated now
     device_peak_bytes: int | None = None
+    device_total_bytes: int | None = None
+    near_capacity: float | None = None  # the peak's share of the device, where near it
+    gpu_busy: float | None = None  # percent, since the last tick (NVML)
 
 
 def clock_text(seconds: float) -> str:
@@ -38,10 +41,17 @@ def line(label: str, reading: Reading) -> str:
     parts = [f"{label} {clock_text(reading.elapsed_s)}"]
     if reading.where:
         parts.append(reading.where)
+    if reading.gpu_busy is not None:
+        parts.append(f"GPU {reading.gpu_busy:.0f}% busy")
     if reading.device is not None and reading.device_bytes is not None:
+        of = ("" if reading.device_total_bytes is None
+              else f" of {fmt_bytes(reading.device_total_bytes)}")
         peak = ("" if reading.device_peak_bytes is None
-                else f" (peak {fmt_bytes(reading.device_peak_bytes)})")
+                else f" (peak {fmt_bytes(reading.device_peak_bytes)}{of})")
         parts.append(f"{reading.device} {fmt_bytes(reading.device_bytes)} allocated{peak}")
+        if reading.near_capacity is not None:
+            parts.append(f"NEAR CAPACITY: peak at {reading.near_capacity:.0%} of the device's "
+                         "memory")
     if reading.host_bytes is not None:
         change = ("" if reading.host_delta_bytes is None
                   else f" ({fmt_bytes(reading.host_delta_bytes, signed=True)})")

@@ -4,7 +4,6 @@ test_live_kernel.py and test_live_terminal.py."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernel_publish import parent_of
-from ..probes import clock
+from ..probes import clock, cpu_seconds
 from . import spark
 from .kernel import KernelDisplay
 from .reads import Reader
@@ -50,12 +50,13 @@ class Ended:
 
 class _Cell:
     def __init__(self, started: float, printing: bool, publisher: Any,
-                 parent: dict[str, Any] | None) -> None:
-        self.reader = Reader(started, threading.get_ident())
+                 parent: dict[str, Any] | None, host_bytes: int | None) -> None:
+        self.started, self.main_thread = started, threading.get_ident()
+        self.cpu_s, self.host_bytes = cpu_seconds(), host_bytes
+        self.reader: Reader | None = None  # made at the first tick: a short cell makes none
         self.printing, self.publisher, self.parent = printing, publisher, parent
         self.frontend: KernelDisplay | TerminalLine | None = None
         self.watch: StreamWatch | None = None
-        self.chosen = False
 
 
 class LiveLine:
@@ -84,17 +85,15 @@ class LiveLine:
         parent = None if printing else parent_of(publisher)
         if not printing and parent is None:
             return  # neither a kernel whose IOPub we can queue on nor a terminal
-        self._cell = _Cell(started, printing, publisher, parent)
-        self._cell.reader.host_start_bytes = host_bytes
-        self._cell.reader.begin_cpu(started)
+        self._cell = _Cell(started, printing, publisher, parent, host_bytes)
         self._sampler.begin(self._tick, started + self.delay_s, self.period_s)
 
     def _tick(self) -> None:
         cell = self._cell
         if cell is None:
             return
-        if not cell.chosen:
-            cell.chosen = True
+        if cell.reader is None:
+            cell.reader = Reader(cell.started, cell.main_thread, cell.cpu_s, cell.host_bytes)
             if cell.parent is not None:
                 cell.frontend = KernelDisplay(cell.publisher, cell.parent)
             elif _is_tty(sys.stdout):
@@ -104,6 +103,8 @@ class LiveLine:
                 cell.watch.install()
         if cell.frontend is not None:
             cell.frontend.draw(line(self.label, cell.reader.read()))
+        else:  # nowhere to draw: nothing more to read
+            self._sampler.end_from_tick()
 
     def stop(self) -> Ended | None:
         """The cell ended: no tick after this returns; the terminal's line is erased."""
@@ -114,7 +115,10 @@ class LiveLine:
         if cell.watch is not None:
             cell.watch.remove()
         frontend = cell.frontend
-        ended = Ended(dropped=cell.reader.why_dropped(), samples=cell.reader.samples)
+        reader = cell.reader
+        ended = Ended()
+        if reader is not None:
+            ended.dropped, ended.samples = reader.why_dropped(), reader.samples
         if isinstance(frontend, TerminalLine):
             frontend.erase()
         elif isinstance(frontend, KernelDisplay) and frontend.shown:

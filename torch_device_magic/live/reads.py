@@ -30,21 +30,20 @@ class Reader:
     and its change, cores busy since the last tick, the accelerator's allocator figures
     (only where its runtime is up: nothing is started, nothing synchronised)."""
 
-    def __init__(self, started: float, main_thread: int) -> None:
+    def __init__(self, started: float, main_thread: int, cpu_s: float | None = None,
+                 host_bytes: int | None = None) -> None:
         self.started = started
         self.main_thread = main_thread
         self.dropped: dict[str, str] = {}  # part: why it was dropped
         # (elapsed, bytes) a tick, for the report's picture; halved past MAX_SAMPLES
         self.samples: dict[str, list[tuple[float, int]]] = {}
-        self.host_start_bytes: int | None = None  # the cell's; else the first tick's
-        self._cpu: tuple[float, float] | None = None  # (clock, CPU time) at the last tick
+        self.host_start_bytes = host_bytes  # the cell's; else the first tick's
+        # (clock, CPU time) at the last tick, or at the cell's start
+        self._cpu = None if cpu_s is None else (started, cpu_s)
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
         self._total: int | None = None  # the device's memory, read once
-        self._nvml_since_us = int(time.time() * 1e6)  # NVML's clock: the last tick's
-
-    def begin_cpu(self, now: float) -> None:
-        """The process's CPU time at the cell's start: cores busy from the first tick on."""
-        self._part("cores busy", lambda: setattr(self, "_cpu", (now, cpu_seconds())))
+        # NVML's clock (wall time, µs) at the last tick, or at the cell's start
+        self._nvml_since_us = int((time.time() - (clock() - started)) * 1e6)
 
     def read(self) -> Reading:
         now = clock()

@@ -1,7 +1,10 @@
 """The one thread of the session that ticks the live line of the cell running now.
 
-It is started with the first cell, and sleeps on a condition between cells: a cell pays
-a notify at its start and at its end, and a short cell nothing more. While a cell runs,
+It is started with the first cell, and sleeps on a condition between cells. A cell
+pays the condition's lock at its start and at its end, and wakes the thread only where
+its sleep would end after the cell's first tick is due: in a run of short cells the
+thread wakes about once a delay (at the due time of a cell that has ended, to take the
+current one's). While a cell runs,
 it waits for the delay, then ticks about once a `period_s`; `end` returns only when no
 tick of that cell can draw any more. A fork (a DataLoader's workers) copies no thread:
 the child forgets it (`os.register_at_fork`), and starts none of its own.
@@ -10,6 +13,7 @@ the child forgets it (`os.register_at_fork`), and starts none of its own.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -32,6 +36,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._ticking = False  # a tick runs now, outside the condition
+        self._waking_at = math.inf  # when the thread's wait ends by itself (inf: never)
 
     @property
     def alive(self) -> bool:
@@ -47,7 +52,8 @@ class Sampler:
                 _samplers.add(self)
                 self._thread.start()
             self._tick, self._next = tick, first_at
-            self._cond.notify()
+            if self._waking_at > first_at:  # else it wakes in time by itself
+                self._cond.notify()
 
     def end(self) -> None:
         """Stop ticking the cell begun; when this returns, no tick of it runs."""
@@ -55,6 +61,11 @@ class Sampler:
             self._tick = None
             while self._ticking and self._thread is not threading.current_thread():
                 self._cond.wait()
+
+    def end_from_tick(self) -> None:
+        """From the tick itself: no more ticks for this cell (nowhere to draw)."""
+        with self._cond:
+            self._tick = None
 
     def close(self) -> None:
         """End the thread (at unload); waits for it."""
@@ -77,12 +88,15 @@ class Sampler:
             while not self._closed:
                 tick = self._tick
                 if tick is None:
+                    self._waking_at = math.inf
                     cond.wait()
                     continue
                 wait = self._next - clock()
                 if wait > 0:
+                    self._waking_at = self._next
                     cond.wait(wait)
                     continue
+                self._waking_at = math.inf
                 self._ticking = True
                 cond.release()
                 try:

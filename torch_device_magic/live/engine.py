@@ -107,18 +107,18 @@ class LiveLine:
             self._sampler.end_from_tick()
 
     def stop(self) -> Ended | None:
-        """The cell ended: no tick after this returns; the terminal's line is erased."""
+        """The cell ended: no tick after this returns; the terminal's line is erased.
+        None where it never ticked."""
         cell, self._cell = self._cell, None
         if cell is None:
             return None
         self._sampler.end()
         if cell.watch is not None:
             cell.watch.remove()
-        frontend = cell.frontend
-        reader = cell.reader
-        ended = Ended()
-        if reader is not None:
-            ended.dropped, ended.samples = reader.why_dropped(), reader.samples
+        frontend, reader = cell.frontend, cell.reader
+        if reader is None:
+            return None  # it never ticked: a short cell
+        ended = Ended(dropped=reader.why_dropped(), samples=reader.samples)
         if isinstance(frontend, TerminalLine):
             frontend.erase()
         elif isinstance(frontend, KernelDisplay) and frontend.shown:

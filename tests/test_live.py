@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fakegpu import GIB, Gpu, GpuIsLost, loaded_with_gpu
+from fakegpu import GIB, FakeMachine, Gpu, GpuIsLost, loaded_with_gpu
 from IPython.core.error import UsageError
 
 from torch_device_magic.live import engine, reads, spark
@@ -199,3 +199,19 @@ def test_on_a_gpu_far_from_capacity_and_nvml_gone(shell, monkeypatch, capsys):
     assert ("running 0:00 | at line 2: time.sleep(0.4) | cuda:0 2.0 GiB allocated (peak 2.0 "
             "GiB of 80.0 GiB) | host ") in out, repr(out)
     assert "busy" not in out.split("cuda:0")[0] and "NEAR CAPACITY" not in out, repr(out)
+
+
+def test_without_nvml_the_busy_part_is_dropped_and_the_report_says_why(
+        shell, monkeypatch, capsys):
+    machine = FakeMachine([Gpu("A", total=80 * GIB)], nvml=False).install(monkeypatch)
+    machine.start_cuda(0)
+    shell.run_line_magic("load_ext", "torch_device_magic")
+    monkeypatch.setattr(engine, "_is_tty", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "300")
+    shell.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    capsys.readouterr()
+    shell.run_cell("import time\ntime.sleep(0.4)", store_history=True)
+    out = capsys.readouterr().out
+    assert "running 0:00 | at line 2: time.sleep(0.4) | cuda:0 0 B allocated" in out, repr(out)
+    assert "GPU" not in out.split("\r\x1b[2Ktime ")[0], repr(out)
+    assert "live line: GPU busy was not read (not available (" in out, repr(out)

@@ -17,6 +17,7 @@ from ..probes import (
     cpu_seconds,
     guarded,
     nvml_busy_percent,
+    nvml_status,
     rss_bytes,
 )
 from .text import Reading
@@ -108,9 +109,13 @@ class Reader:
         accel = self._accel
         if not isinstance(accel, Accelerator) or accel.kind != "cuda":
             return None
+        if nvml_status()[0] is None:  # said once, in the report: the part is dropped
+            self.dropped["GPU busy"] = nvml_status()[1]
+            return None
         since, self._nvml_since_us = self._nvml_since_us, int(time.time() * 1e6)
         return nvml_busy_percent(accel.index, since, {os.getpid()})
 
     def why_dropped(self) -> list[str]:
         """One sentence a part that failed: what the final report says."""
-        return [f"live line: {name} was not read ({why})" for name, why in self.dropped.items()]
+        return [f"live line: {name} was not read ({why.removeprefix('NVML is ')})"
+                for name, why in self.dropped.items()]

@@ -9,6 +9,7 @@ import threading
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu, GpuIsLost, loaded_with_gpu
 from IPython.core.error import UsageError
+from pythonpath import ROOT
 
 from torch_device_magic.live import engine, reads, spark
 from torch_device_magic.live.text import Reading, clock_text, line
@@ -28,14 +29,21 @@ def term(ip, monkeypatch):
     return ip
 
 
-def test_the_words_of_the_line():
-    reading = Reading(42.4, "at line 7: loss.backward()", 3 << 30, 1 << 29, 1.04,
-                      "cuda:0", 12 << 30, 14 << 30)
-    assert line("profiling", reading) == (
-        "profiling 0:42 | at line 7: loss.backward() | cuda:0 12.0 GiB allocated "
-        "(peak 14.0 GiB) | host 3.0 GiB (+512.0 MiB) | 1.0 cores busy")
+def test_the_words_of_the_line_as_the_docs_show_them():
+    gib = 2**30
+    reading = Reading(42.4, "at line 7: loss.backward()", int(3.1 * gib), int(1.2 * gib), 1.04,
+                      "cuda:0", int(12.4 * gib), int(14.1 * gib), 80 * gib, None, 97.2)
+    shown = line("running", reading)
+    for doc in ("README.md", "docs/report.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert shown in text, doc
     assert clock_text(3723.9) == "1:02:03" and clock_text(59.99) == "0:59"
-    assert line("running", Reading(1.2)) == "running 0:01"
+    assert line("profiling", Reading(1.2)) == "profiling 0:01"
+    near = Reading(5.0, device="cuda:0", device_bytes=75 * gib, device_peak_bytes=76 * gib,
+                   device_total_bytes=80 * gib, near_capacity=0.95)
+    assert line("running", near) == (
+        "running 0:05 | cuda:0 75.0 GiB allocated (peak 76.0 GiB of 80.0 GiB) | NEAR CAPACITY: "
+        "peak at 95% of the device's memory")
 
 
 def test_a_long_cell_draws_then_erases_the_line_before_the_report(term, capsys):

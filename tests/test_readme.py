@@ -28,6 +28,7 @@ README = ROOT / "README.md"
 SKIPPED = {"gpu": "the transcript needs a GPU", "elided": "a cell's code is left out (...)"}
 SETUP = {
     "quickstart": [],
+    "live": ["%load_ext torch_device_magic"],  # the live line's transcript
     "nograd": ["%load_ext torch_device_magic\nimport torch\n"
                "model = torch.nn.Linear(1024, 1024)\nx = torch.randn(8, 1024)"],
     "profile": ["%load_ext torch_device_magic\nimport torch\n"

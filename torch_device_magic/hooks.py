@@ -51,6 +51,8 @@ from IPython.core.displaypub import DisplayPublisher
 from .cells import cell_names, first_code_line, names_bound, names_changed, only_comments, python_of
 from .history import History
 from .kernel_publish import publish
+from .live import LiveLine
+from .live.engine import Ended
 from .measure import Measurement, Meter
 from .probes import clock, cuda_built, rss_and_high_water, runtime_up
 from .units import fmt_bytes, fmt_seconds, plural
@@ -100,6 +102,10 @@ class CellReporter:
         self._loading: tuple[float, int | None, int | None] | None = None  # see `loading`
         # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
+        # The live line under a long cell (live/): replaced by the report at the end.
+        self.live = LiveLine(lambda: self._line_open)
+        self._live_ended: Ended | None = None
+        self._interrupted = False  # the outermost cell ended with Ctrl-C: its line says so
 
     @property
     def registered(self) -> bool:
@@ -127,6 +133,7 @@ class CellReporter:
         """Stop reporting on `ip`; the history stays."""
         if self._meter is not None:
             self._meter.close()
+        self.live.close()
         self._unwatch_stdout()
         self._meter = self._shell = None
         self._open = []
@@ -178,9 +185,11 @@ class CellReporter:
         if self.min_bytes:
             limits.append(f"at least {fmt_bytes(self.min_bytes)}")
         shown = f"cells reaching {' or '.join(limits)}" if limits else "every cell"
+        delay = self.live.delay_s
+        live = f"live line after {fmt_seconds(delay)}" if delay else "live line off"
         line = (
             f"per-cell report: {'on' if self.registered else 'off'} ({shown}; "
-            f"synchronise: {'on' if self.sync else 'off'}); "
+            f"synchronise: {'on' if self.sync else 'off'}; {live}); "
             f"{plural(len(self.history), 'cell')} in the history (%devhistory)"
         )
         if not self.registered:
@@ -197,9 +206,15 @@ class CellReporter:
             self._adopted = measurement
 
     def mark_profiled(self) -> None:
-        """Say '(profiled)' in this cell's line (from %%profile)."""
+        """Say '(profiled)' in this cell's line (from %%profile), 'profiling' in its live line."""
         if len(self._open) == 1:
             self._profiled = True
+            self.live.label = "profiling"
+
+    def say_live(self, label: str) -> None:
+        """What the outermost cell is doing, first in its live line ('comparing 0:12')."""
+        if len(self._open) == 1:
+            self.live.label = label
 
     def plain_run(
         self, source: str, reads: Collection[str] = ()
@@ -287,11 +302,29 @@ class CellReporter:
                 self._watch_stdout()
             assert self._meter is not None  # registered only with a meter
             self._meter.start()
+            self.live.start(self._shell, self._printing,
+                            getattr(self._meter.host, "start_bytes", None))
         except Exception as err:
             _log.debug("starting the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
 
     def post_run_cell(self, result: Any) -> None:
+        try:
+            self._post_run_cell(result)
+        finally:
+            self._end_live()
+
+    def _end_live(self) -> None:
+        """Empty the live display that the report did not take the place of."""
+        ended, self._live_ended = self._live_ended, None
+        if ended is None or ended.display is None:
+            return
+        try:
+            publish(self._shell.display_pub, {"text/plain": ""}, ended.display.display_id)
+        except Exception:
+            _log.debug("the live line could not be emptied", exc_info=True)
+
+    def _post_run_cell(self, result: Any) -> None:
         # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
         info = getattr(result, "info", None)
         cells = self._open
@@ -311,6 +344,7 @@ class CellReporter:
             self._note_cuda(result)  # before the hint, which names that cell
         measured = None
         if outermost:
+            self._stop_live()  # before the report: no tick after it, the line erased
             self._unwatch_stdout()
             try:
                 if self._fault is None and self._meter is not None:
@@ -330,8 +364,11 @@ class CellReporter:
             return  # a cell that never ran (a SyntaxError) has nothing to report
         try:
             if measured is not None:
+                self._interrupted = isinstance(result.error_in_exec, KeyboardInterrupt)
                 if self.advise is not None and self._adopted is None:
                     measured.notes = self.advise(measured, result)
+                if self._live_ended is not None and self._live_ended.dropped:
+                    measured.notes = (*measured.notes, *self._live_ended.dropped)
                 self._record(measured, result.execution_count)
         except Exception as err:
             _log.debug("recording the measurement failed", exc_info=True)
@@ -379,15 +416,33 @@ class CellReporter:
 
     def _record(self, measured: Measurement, cell: int | None) -> None:
         adopted, self._adopted = self._adopted, None
+        interrupted, self._interrupted = self._interrupted, False
         record = adopted or measured
         record.cell = cell
         self.history.append(record)
         if adopted is None and self.shows(record):
             note = " (profiled)" if self._profiled else ""
+            if interrupted:
+                note += " (interrupted)"
+            ended = self._live_ended
+            pictures = [] if ended is None else ended.pictures(record.wall_s)
             if self._printing:
-                self._print(record.text(note))
+                self._print("\n".join([record.text(note), *(text for text, _ in pictures)]))
+                return
+            bundle = record.bundle(note)
+            if pictures:
+                bundle = _with_pictures(bundle, pictures)
+            if ended is not None and ended.display is not None and ended.replace:
+                self._live_ended = None  # in place: the display becomes the report
+                publish(self._shell.display_pub, bundle, ended.display.display_id)
             else:
-                publish(self._shell.display_pub, record.bundle(note))
+                publish(self._shell.display_pub, bundle)
+
+    def _stop_live(self) -> None:
+        try:
+            self._live_ended = self.live.stop()
+        except Exception:
+            _log.debug("stopping the live line failed", exc_info=True)
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""
@@ -450,6 +505,16 @@ class CellReporter:
             stream.write = write
         else:
             del stream.write
+
+
+def _with_pictures(bundle: dict[str, str], pictures: list[tuple[str, str]]) -> dict[str, str]:
+    """The report's bundle with the live line's pictures of memory under it."""
+    page = bundle["text/html"]
+    cut = page.rindex("</div>")  # inside the report's own div
+    return {
+        "text/plain": "\n".join([bundle["text/plain"], *(text for text, _ in pictures)]),
+        "text/html": page[:cut] + "".join(svg for _, svg in pictures) + page[cut:],
+    }
 
 
 def _code(source: str) -> str:

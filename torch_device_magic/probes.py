@@ -52,6 +52,9 @@ _log = logging.getLogger(__name__)
 clock = time.perf_counter
 """The wall clock every measurement uses (monotonic, sub-microsecond)."""
 
+cpu_seconds = time.process_time
+"""The CPU time of every thread of this process (the live line's cores busy)."""
+
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 """What RSS moves by: the host probes' resolution."""
 
@@ -115,6 +118,11 @@ class ProcHighWater:
 
     def _rss(self) -> int:
         return int(os.pread(self._statm, 64, 0).split(None, 2)[1]) * PAGE_BYTES
+
+    @property
+    def start_bytes(self) -> int | None:
+        """RSS at the last start (None after a stop): the live line's host change is from it."""
+        return self._rss0
 
     def start(self) -> None:
         try:

@@ -86,6 +86,7 @@ class TorchDeviceCompareMagics(MagicsGroup):
         cuda = any(d.startswith("cuda") for d in args.devices)
         chosen = devices_to_compare(args.devices, take_inventory(probe_cuda_runtime=cuda))
         run = cells.compiled(self.shell, cell)
+        self.core.reporter.say_live("comparing")
         hidden = self.shell.user_ns_hidden  # IPython's own names (In, Out, _): never copied
         result = compare(self.shell.user_ns, run, cells.names_read(self.shell, cell), chosen,
                          args.runs, args.warmup, hidden, cells.attributes_read(self.shell, cell))

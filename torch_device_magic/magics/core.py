@@ -92,12 +92,33 @@ class TorchDeviceMagics(Magics):
         except ValueError as err:
             raise TraitError(str(err)) from None
 
+    # The live line (issue 37): its own block.
+    live_delay = Float(
+        1.0,
+        help="Show a live line under a cell that runs longer than this many seconds: "
+        "elapsed time, where the cell is, device and host memory, cores busy; updated "
+        "about once a second and replaced by the report line at the end (0 = off; "
+        "%devreport live on|off is the same switch).",
+    ).tag(config=True)
+
+    @validate("live_delay")
+    def _live_delay_valid(self, proposal: Any) -> Any:
+        if not math.isfinite(proposal.value) or proposal.value < 0:
+            raise TraitError(f"live_delay must be a finite number of seconds, 0 (off) or "
+                             f"more, not {proposal.value}")
+        return proposal.value
+
+    @observe("live_delay")
+    def _live_delay_changed(self, change: Any) -> None:
+        self.reporter.live.delay_s = change.new
+
     _shell: InteractiveShell | None = None
 
     def __init__(self, shell: InteractiveShell | None) -> None:
         # State first: traits set in ipython_config.py fire observers during super().__init__
         # (a configured set_torch_default reaches the session that way).
         self.reporter = CellReporter()
+        self.reporter.live.delay_s = type(self).live_delay.default_value  # until configured
         self.session = Session()
         self._advisor: Advisor | None = None  # made with the shell, once
         # (id(error), %%ondevice's device, its --restore): the hint is told what was in force

@@ -20,14 +20,24 @@ class TorchDeviceMeasureMagics(MagicsGroup):
     """Measuring: one cell's memory, the report's history, the report on or off."""
 
     @magic_arguments()
-    @argument("mode", nargs="?", default="status", help="on, off, or status (the default)")
+    @argument("mode", nargs="?", default="status",
+              help="on, off, status (the default), or live (then on or off)")
+    @argument("switch", nargs="?", help="after live: on or off")
     @line_magic
     @user_errors
     def devreport(self, line: str) -> None:
-        """Turn the line after every cell on or off, or say how it is set.
+        """Turn the line after every cell (or the live line) on or off, or say how it is set.
 
         In [1]: %devreport off
-        per-cell report: off (every cell; synchronise: on); 12 cells in the history (%devhistory)
+        per-cell report: off (every cell; synchronise: on; live line after 1.00 s); 12 cells in
+        the history (%devhistory)
+
+        A cell that runs longer than `live_delay` seconds (1 by default) gets a
+        live line under its output, updated about once a second: elapsed time,
+        the line of the cell running now, device memory (where its runtime is
+        up), host memory and its change, cores busy. The report line takes its
+        place when the cell ends. `%devreport live off` turns it off (the
+        trait's 0), `%devreport live on` back on.
 
         The line shows wall time, device time (where the cell did accelerator
         work), device allocated change and peak, and host RSS change and peak.
@@ -45,14 +55,36 @@ class TorchDeviceMeasureMagics(MagicsGroup):
         session's peak is in `%devhistory`.
         """
         args = parse(self.devreport, line)
-        if args.mode not in ("on", "off", "status"):
-            raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r}")
-        if args.mode != "status":
+        if args.mode == "live":
+            self._switch_live(args.switch)
+        elif args.switch is not None:
+            raise DeviceMagicError(f"%devreport {args.mode} takes nothing after it, not "
+                                   f"{args.switch!r} (%devreport live on|off switches the "
+                                   "live line)")
+        elif args.mode not in ("on", "off", "status"):
+            raise DeviceMagicError(f"%devreport takes on, off or status, not {args.mode!r} "
+                                   "(or live on|off, for the live line)")
+        elif args.mode != "status":
             self.core.auto_report = args.mode == "on"
             # %config keeps its value in the shell's config, which %reload_ext reads
             # again: the switch goes there too, so that the latest choice wins.
             self.shell.config[type(self.core).__name__]["auto_report"] = self.core.auto_report
         print(self.core.reporter.status())
+
+    def _switch_live(self, switch: str | None) -> None:
+        """`%devreport live on|off`: the live_delay trait, 0 for off; on again restores
+        the last delay that was not 0 (the default's otherwise)."""
+        if switch not in ("on", "off"):
+            said = "nothing" if switch is None else repr(switch)
+            raise DeviceMagicError(f"%devreport live takes on or off, not {said}")
+        core = self.core
+        if switch == "off":
+            if core.live_delay:
+                self._live_delay_on = core.live_delay
+            core.live_delay = 0.0
+        elif not core.live_delay:
+            core.live_delay = getattr(self, "_live_delay_on", type(core).live_delay.default_value)
+        self.shell.config[type(core).__name__]["live_delay"] = core.live_delay
 
     @magic_arguments(name="%gpumem")  # its usage reads %%gpumem
     @argument("-o", dest="output", action="store_true",
@@ -95,6 +127,7 @@ class TorchDeviceMeasureMagics(MagicsGroup):
         if device is not None and device.type == "meta":
             raise DeviceMagicError("%%gpumem --device meta: meta tensors hold no memory, so "
                                    "there is nothing to measure (--device cpu: host memory)")
+        self.core.reporter.say_live("measuring")
         report, value = gpumem.measure(self.shell.user_ns, cells.compiled(self.shell, cell), device)
         self.core.reporter.adopt(report)
         if args.output:

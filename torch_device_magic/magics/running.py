@@ -234,6 +234,7 @@ class TorchDeviceRunMagics(MagicsGroup):
         names = sorted({*names, *found.names})
         unread = None if args.all else self._unread(cell, source, foreign, dev)
         moved, failed, hold = None, False, moving.SigintHold()
+        self.core.reporter.say_live(f"moving to {dev}")
         try:  # entered before the move: a Ctrl-C just after it still restores
             moved = moving.move(self.shell.user_ns, names, dev, restorable=args.restore,
                                 keep_data=True, others=self._all_names)
@@ -246,6 +247,7 @@ class TorchDeviceRunMagics(MagicsGroup):
                 table = moved.table()
                 table.notes = [*table.notes, *found.notes()]
                 display(table)
+            self.core.reporter.say_live(f"running on {dev}")
             with for_cell(dev):
                 return run()
         except BaseException as err:
@@ -338,6 +340,7 @@ class TorchDeviceRunMagics(MagicsGroup):
             return None
         if args.mode is not None:
             raise DeviceMagicError(f"%%nograd takes no argument but --inference, got {args.mode!r}")
+        self.core.reporter.say_live("running without autograd")
         with torch.inference_mode() if args.inference else torch.no_grad():
             return cells.run(self.shell, cell)
 

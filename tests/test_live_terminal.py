@@ -1,0 +1,106 @@
+"""The live line in the IPython terminal, through a pseudo-terminal, with the screen read
+by a terminal emulator (pyte): one status line while the cell runs, never mixed into what
+the cell prints, and gone when the report line comes."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pexpect
+import pytest
+from pythonpath import ROOT, child_env
+from test_terminal import PROMPT
+
+pyte = pytest.importorskip("pyte")
+pytestmark = pytest.mark.slow
+COLUMNS, ROWS = 120, 40
+SETUP = "%load_ext torch_device_magic\n%config TorchDeviceMagics.live_delay = 0.2\nimport time\n"
+
+
+class Screen:
+    """`python -m IPython --simple-prompt`, everything it writes fed to a pyte screen."""
+
+    def __init__(self, ipython_dir: str) -> None:
+        env = child_env(IPYTHONDIR=ipython_dir, TERM="xterm", PYTHONIOENCODING="utf-8")
+        self.raw = io.StringIO()
+        self.child = pexpect.spawn(
+            sys.executable,
+            ["-m", "IPython", "--simple-prompt", "--no-banner", "--colors=nocolor",
+             "--HistoryManager.hist_file=:memory:"],
+            cwd=str(ROOT), env=env, encoding="utf-8", timeout=90, dimensions=(ROWS, COLUMNS),
+        )
+        self.child.logfile_read = self.raw
+        self.screen = pyte.Screen(COLUMNS, ROWS)
+        self.stream = pyte.Stream(self.screen)
+        self.child.expect(PROMPT)
+
+    def cell(self, source: str, interrupt_at: str | None = None) -> tuple[list[str], str]:
+        """Type `source` (one line), and Ctrl-C once `interrupt_at` shows; the screen's lines
+        that the cell left, and what it wrote raw (escapes included)."""
+        start = self.raw.tell()
+        self.screen.reset()
+        self.child.sendline(source)
+        if interrupt_at is not None:
+            self.child.expect(interrupt_at)
+            self.child.sendintr()
+        self.child.expect(PROMPT)
+        raw = self.raw.getvalue()[start:]
+        self.stream.feed(raw)
+        lines = [ln.rstrip() for ln in self.screen.display]
+        shown = [ln for ln in lines if ln and not ln.startswith("In [")]
+        return [ln for ln in shown if ln != source.strip()], raw  # not the echo of the typing
+
+    def close(self) -> None:
+        self.child.sendline("exit()")
+        self.child.expect(pexpect.EOF)
+
+
+@pytest.fixture(scope="module")
+def term(tmp_path_factory):
+    t = Screen(str(tmp_path_factory.mktemp("ipython")))
+    for line in SETUP.splitlines():
+        t.cell(line)
+    yield t
+    t.close()
+
+
+def test_a_long_cell_shows_a_live_line_that_the_report_takes_the_place_of(term):
+    lines, raw = term.cell("import time; time.sleep(0.7)")
+    assert "running 0:00 | at line 1: import time; time.sleep(0.7) | host " in raw, raw
+    assert "\r\x1b[2K" in raw
+    assert len(lines) == 1 and lines[0].startswith("time "), lines  # the line gone
+
+
+def test_what_the_cell_prints_is_never_mixed_with_the_live_line(term):
+    lines, raw = term.cell("for i in range(4): print(f'step {i}', flush=True); time.sleep(0.3)")
+    assert "running" in raw, raw
+    assert lines[:4] == ["step 0", "step 1", "step 2", "step 3"], lines
+    assert len(lines) == 5 and lines[4].startswith("time "), lines
+
+
+def test_a_line_left_open_is_not_drawn_over(term):
+    lines, _raw = term.cell("print('part', end='', flush=True); time.sleep(0.6); print(' end')")
+    assert lines[0] == "part end" and lines[1].startswith("time "), lines
+
+
+def test_ctrl_c_ends_the_live_line_cleanly(term):
+    lines, raw = term.cell("time.sleep(30)", interrupt_at="running 0:0")
+    assert "KeyboardInterrupt:" in lines and lines[-1].startswith("time "), lines
+    assert "(interrupted)" in lines[-1], lines
+    assert not any("running" in ln for ln in lines), lines
+    lines, raw = term.cell("1 + 1")
+    assert lines[0].startswith("Out[") and "running" not in raw, lines
+
+
+def test_no_live_line_where_stdout_is_not_a_terminal(tmp_path):
+    cells = SETUP + "import time; time.sleep(0.7)\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner",
+         "--colors=nocolor", "--HistoryManager.hist_file=:memory:"],
+        input=cells, capture_output=True, text=True, cwd=str(ROOT), timeout=120,
+        env=child_env(IPYTHONDIR=str(tmp_path)),
+    )
+    assert "time " in done.stdout, done.stdout
+    assert "running" not in done.stdout and "\x1b[2K" not in done.stdout, done.stdout

@@ -4,6 +4,7 @@ test_live_kernel.py and test_live_terminal.py."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -95,6 +96,23 @@ def test_a_read_that_fails_is_dropped_once_and_the_report_says_why(term, capsys,
     assert len(calls) == 1, calls
     assert "running 0:00 | at line 2: time.sleep(0.5) | 0." in out, repr(out)
     assert "live line: host memory was not read (OSError: proc went away)" in out, repr(out)
+
+
+def test_a_c_call_holding_the_gil_freezes_the_line_which_then_says_the_clocks_time(
+        term, capsys):
+    # usleep through ctypes.PyDLL keeps the GIL for its 1.5 s: no Python thread runs
+    term.magics_manager.registry["TorchDeviceMagics"].reporter.live.period_s = 0.1
+    capsys.readouterr()
+    term.run_cell("import ctypes, time\nlibc = ctypes.PyDLL(None)\ntime.sleep(0.3)\n"
+                  "libc.usleep(1500000)\ntime.sleep(0.5)\ndone = True", store_history=True)
+    out = capsys.readouterr().out
+    assert term.user_ns["done"] is True
+    drawn = re.findall(r"\r\x1b\[2K(running \d:\d\d \| at line \d)", out)
+    assert "running 0:00 | at line 3" in drawn, repr(out)  # before the freeze
+    after = [d for d in drawn if d.endswith("at line 5")]
+    # from the clock: 1.8 s in at least; 12 ticks of 0.1 s would still say 0:00
+    assert after and not any(d.startswith("running 0:00") for d in after), repr(out)
+    assert re.match(r"time [2-9]\.\d\d s", out.rsplit("\r\x1b[2K", 1)[1]), repr(out)
 
 
 def test_a_fork_in_a_live_cell_works(term, capsys):

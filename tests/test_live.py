@@ -241,3 +241,44 @@ def test_without_nvml_the_busy_part_is_dropped_and_the_report_says_why(
     assert "running 0:00 | at line 2: time.sleep(0.4) | cuda:0 0 B allocated" in out, repr(out)
     assert "GPU" not in out.split("\r\x1b[2Ktime ")[0], repr(out)
     assert "live line: GPU busy was not read (not available (" in out, repr(out)
+
+
+@pytest.fixture
+def gpu_term(shell, monkeypatch):
+    """A shell with a fake GPU whose CUDA is up, as a terminal, the whole line shown."""
+    machine = loaded_with_gpu(shell, monkeypatch, Gpu("A", total=80 * GIB))
+    monkeypatch.setattr(engine, "_is_tty", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "300")
+    shell.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    shell.magics_manager.registry["TorchDeviceMagics"].reporter.live.period_s = 0.1
+    return shell, machine
+
+
+def test_nvml_giving_no_samples_drops_the_busy_part_and_the_report_says_why_once(
+        gpu_term, capsys):
+    shell, _machine = gpu_term
+    capsys.readouterr()
+    shell.run_cell("import time\ntime.sleep(0.6)", store_history=True)
+    out = capsys.readouterr().out
+    line_, report = out.rsplit("\r\x1b[2K", 2)[1:]
+    assert line_.startswith("running 0:00 | at line 2: time.sleep(0.6) | cuda:0 "), repr(out)
+    assert "busy |" not in out, repr(out)
+    said = "live line: GPU busy was not read (NVML gave no samples; an idle GPU gives none)"
+    assert report.count(said) == 1 and report.startswith("time "), repr(out)
+
+
+def test_nvml_failing_mid_cell_drops_the_busy_part_and_the_report_says_why_once(
+        gpu_term, capsys):
+    shell, _machine = gpu_term
+    shell.user_ns["GpuIsLost"] = GpuIsLost
+    capsys.readouterr()
+    shell.run_cell("import time, os\nmachine.sample(0, [97] * 3, pid=os.getpid())\n"
+                   "time.sleep(0.35)\nmachine.cuda[0].samples_fail = GpuIsLost\n"
+                   "time.sleep(0.4)", store_history=True)
+    out = capsys.readouterr().out
+    drawn = out.split("\r\x1b[2K")[1:-1]
+    assert "| GPU 97% busy |" in drawn[0], repr(out)
+    after = [d for d in drawn if "at line 5" in d]
+    assert after and not any("busy |" in d for d in after), repr(out)
+    said = "live line: GPU busy was not read (NVML failed: GpuIsLost)"
+    assert out.count("live line: GPU busy") == 1 and said in out, repr(out)

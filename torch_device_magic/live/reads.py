@@ -16,7 +16,7 @@ from ..probes import (
     clock,
     cpu_seconds,
     guarded,
-    nvml_busy_percent,
+    nvml_busy_since,
     nvml_status,
     rss_bytes,
 )
@@ -43,6 +43,7 @@ class Reader:
         self._cpu = None if cpu_s is None else (started, cpu_s)
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
         self._total: int | None = None  # the device's memory, read once
+        self._busy_asked = self._busy_read = False  # NVML asked; a figure it gave
         # NVML's clock (wall time, µs) at the last tick, or at the cell's start
         self._nvml_since_us = int((time.time() - (clock() - started)) * 1e6)
 
@@ -113,9 +114,18 @@ class Reader:
             self.dropped["GPU busy"] = nvml_status()[1]
             return None
         since, self._nvml_since_us = self._nvml_since_us, int(time.time() * 1e6)
-        return nvml_busy_percent(accel.index, since, {os.getpid()})
+        self._busy_asked = True
+        try:
+            busy = nvml_busy_since(accel.index, since, {os.getpid()})
+        except RuntimeError as err:  # NVML failed: said once, in the report
+            self.dropped["GPU busy"] = str(err)
+            return None
+        self._busy_read = self._busy_read or busy is not None
+        return busy
 
     def why_dropped(self) -> list[str]:
         """One sentence a part that failed: what the final report says."""
+        if self._busy_asked and not self._busy_read and "GPU busy" not in self.dropped:
+            self.dropped["GPU busy"] = "NVML gave no samples; an idle GPU gives none"
         return [f"live line: {name} was not read ({why.removeprefix('NVML is ')})"
                 for name, why in self.dropped.items()]

@@ -31,16 +31,15 @@ class Reader:
     and its change, cores busy since the last tick, the accelerator's allocator figures
     (only where its runtime is up: nothing is started, nothing synchronised)."""
 
-    def __init__(self, started: float, main_thread: int, cpu_s: float | None = None,
-                 host_bytes: int | None = None) -> None:
+    def __init__(self, started: float, main_thread: int, host_bytes: int | None = None) -> None:
         self.started = started
         self.main_thread = main_thread
         self.dropped: dict[str, str] = {}  # part: why it was dropped
         # (elapsed, bytes) a tick, for the report's picture; halved past MAX_SAMPLES
         self.samples: dict[str, list[tuple[float, int]]] = {}
         self.host_start_bytes = host_bytes  # the cell's; else the first tick's
-        # (clock, CPU time) at the last tick, or at the cell's start
-        self._cpu = None if cpu_s is None else (started, cpu_s)
+        # (clock, CPU time) at the last tick: none at the first, so cores busy from the second
+        self._cpu: tuple[float, float] | None = None
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
         self._total: int | None = None  # the device's memory, read once
         self._busy_asked = self._busy_read = False  # NVML asked; a figure it gave

@@ -76,6 +76,7 @@ class Gpu:
     # NVML's sample buffers: (time in µs, percent busy); (pid, time in µs, percent of SMs)
     samples: list[tuple[int, int]] = field(default_factory=list)
     process_samples: list[tuple[int, int, int]] = field(default_factory=list)
+    samples_fail: type[NVMLError] | None = None  # reading the samples raises this (the live line)
 
     @property
     def nvml_uuid(self) -> str:
@@ -369,6 +370,8 @@ class FakeMachine:
             return gpu.capability
 
         def samples(gpu: Gpu, kind: int, since_us: int) -> tuple[int, list[Any]]:
+            if gpu.samples_fail is not None:
+                raise gpu.samples_fail()
             found = [types.SimpleNamespace(timeStamp=at, sampleValue=types.SimpleNamespace(
                 uiVal=value)) for at, value in gpu.samples if at > since_us]
             if not found:

@@ -115,3 +115,54 @@ def test_a_screenshot_is_saved_next_to_the_executed_notebook(page):
     png = page.screenshot(ROOT / "out" / "demo.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (png.parent / "demo.ipynb").exists()
+
+
+# Long cells with the live line (its delay made small): in the rendered page each shows its
+# report once, no live line text is left, and no output box is visible without text (the
+# live display that a cell printed under is emptied, and an empty output takes no room).
+LIVE_CELLS = (
+    "import time\nfor i in range(3):\n    time.sleep(0.3)",
+    "import time\nprint('a')\ntime.sleep(0.6)\nprint('b')",
+)
+LIVE_OUTPUTS = """
+[...document.querySelectorAll(".jp-CodeCell")].slice(1).map((cell) => ({
+  reports: cell.querySelectorAll(".tdm-report").length,
+  live: cell.querySelectorAll(".tdm-live").length,
+  text: cell.querySelector(".jp-Cell-outputWrapper").innerText,
+  boxes: [...cell.querySelectorAll(".jp-OutputArea-output")].map((out) => ({
+    height: out.getBoundingClientRect().height, text: out.innerText.trim(),
+  })),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def live_page(tmp_path_factory):
+    pytest.importorskip("nbconvert", reason="nbconvert renders the HTML (pip install .[test])")
+    from kernel import execute, notebook, write_html
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium)")
+    setup = "%load_ext torch_device_magic\n%config TorchDeviceMagics.live_delay = 0.2"
+    nb = execute(notebook(setup, *LIVE_CELLS), timeout=120)
+    folder = tmp_path_factory.mktemp("live")
+    html = write_html(nb, folder / "live.html")
+    with Chromium(chromium, folder / "profile", size=(1280, 900), timeout_s=60) as browser:
+        browser.open(html.as_uri())
+        yield browser
+
+
+def test_a_long_cells_page_shows_its_report_once_and_nothing_of_the_live_line(live_page):
+    cells = live_page.evaluate(LIVE_OUTPUTS)
+    assert len(cells) == len(LIVE_CELLS), cells
+    for cell in cells:
+        assert cell["reports"] == 1 and cell["live"] == 0, cell
+        assert "running" not in cell["text"] and cell["text"].count("time ") == 1, cell
+        for box in cell["boxes"]:  # an emptied display takes no room on the page
+            assert box["text"] or box["height"] == 0, cell
+    printed = cells[1]
+    assert [b["text"] for b in printed["boxes"] if b["text"]][:2] == ["a", "b"], printed
+    assert len(printed["boxes"]) == 4, printed  # a, the emptied live display, b, the report
+    for element in live_page.evaluate(MEASURE.replace("SELECTOR", repr(".tdm-report"))):
+        assert element["visible"] and element["on_top"] and element["height"] > 0, element

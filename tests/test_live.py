@@ -4,6 +4,7 @@ test_live_kernel.py and test_live_terminal.py."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -89,12 +90,32 @@ def test_a_read_that_fails_is_dropped_once_and_the_report_says_why(term, capsys,
         raise OSError("proc went away")
 
     monkeypatch.setattr(reads, "rss_bytes", gone)
+    term.magics_manager.registry["TorchDeviceMagics"].reporter.live.period_s = 0.1
     capsys.readouterr()
     term.run_cell("import time\ntime.sleep(0.5)", store_history=True)
     out = capsys.readouterr().out
     assert len(calls) == 1, calls
-    assert "running 0:00 | at line 2: time.sleep(0.5) | 0." in out, repr(out)
+    first, *later = out.split("\r\x1b[2K")[1:-1]
+    assert first == "running 0:00 | at line 2: time.sleep(0.5)", repr(out)  # no cores yet
+    assert later[0].startswith("running 0:00 | at line 2: time.sleep(0.5) | 0."), repr(out)
     assert "live line: host memory was not read (OSError: proc went away)" in out, repr(out)
+
+
+def test_a_c_call_holding_the_gil_freezes_the_line_which_then_says_the_clocks_time(
+        term, capsys):
+    # usleep through ctypes.PyDLL keeps the GIL for its 1.5 s: no Python thread runs
+    term.magics_manager.registry["TorchDeviceMagics"].reporter.live.period_s = 0.1
+    capsys.readouterr()
+    term.run_cell("import ctypes, time\nlibc = ctypes.PyDLL(None)\ntime.sleep(0.3)\n"
+                  "libc.usleep(1500000)\ntime.sleep(0.5)\ndone = True", store_history=True)
+    out = capsys.readouterr().out
+    assert term.user_ns["done"] is True
+    drawn = re.findall(r"\r\x1b\[2K(running \d:\d\d \| at line \d)", out)
+    assert "running 0:00 | at line 3" in drawn, repr(out)  # before the freeze
+    after = [d for d in drawn if d.endswith("at line 5")]
+    # from the clock: 1.8 s in at least; 12 ticks of 0.1 s would still say 0:00
+    assert after and not any(d.startswith("running 0:00") for d in after), repr(out)
+    assert re.match(r"time [2-9]\.\d\d s", out.rsplit("\r\x1b[2K", 1)[1]), repr(out)
 
 
 def test_a_fork_in_a_live_cell_works(term, capsys):
@@ -223,3 +244,44 @@ def test_without_nvml_the_busy_part_is_dropped_and_the_report_says_why(
     assert "running 0:00 | at line 2: time.sleep(0.4) | cuda:0 0 B allocated" in out, repr(out)
     assert "GPU" not in out.split("\r\x1b[2Ktime ")[0], repr(out)
     assert "live line: GPU busy was not read (not available (" in out, repr(out)
+
+
+@pytest.fixture
+def gpu_term(shell, monkeypatch):
+    """A shell with a fake GPU whose CUDA is up, as a terminal, the whole line shown."""
+    machine = loaded_with_gpu(shell, monkeypatch, Gpu("A", total=80 * GIB))
+    monkeypatch.setattr(engine, "_is_tty", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "300")
+    shell.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    shell.magics_manager.registry["TorchDeviceMagics"].reporter.live.period_s = 0.1
+    return shell, machine
+
+
+def test_nvml_giving_no_samples_drops_the_busy_part_and_the_report_says_why_once(
+        gpu_term, capsys):
+    shell, _machine = gpu_term
+    capsys.readouterr()
+    shell.run_cell("import time\ntime.sleep(0.6)", store_history=True)
+    out = capsys.readouterr().out
+    line_, report = out.rsplit("\r\x1b[2K", 2)[1:]
+    assert line_.startswith("running 0:00 | at line 2: time.sleep(0.6) | cuda:0 "), repr(out)
+    assert "busy |" not in out, repr(out)
+    said = "live line: GPU busy was not read (NVML gave no samples; an idle GPU gives none)"
+    assert report.count(said) == 1 and report.startswith("time "), repr(out)
+
+
+def test_nvml_failing_mid_cell_drops_the_busy_part_and_the_report_says_why_once(
+        gpu_term, capsys):
+    shell, _machine = gpu_term
+    shell.user_ns["GpuIsLost"] = GpuIsLost
+    capsys.readouterr()
+    shell.run_cell("import time, os\nmachine.sample(0, [97] * 3, pid=os.getpid())\n"
+                   "time.sleep(0.35)\nmachine.cuda[0].samples_fail = GpuIsLost\n"
+                   "time.sleep(0.4)", store_history=True)
+    out = capsys.readouterr().out
+    drawn = out.split("\r\x1b[2K")[1:-1]
+    assert "| GPU 97% busy |" in drawn[0], repr(out)
+    after = [d for d in drawn if "at line 5" in d]
+    assert after and not any("busy |" in d for d in after), repr(out)
+    said = "live line: GPU busy was not read (NVML failed: GpuIsLost)"
+    assert out.count("live line: GPU busy") == 1 and said in out, repr(out)

@@ -1,12 +1,15 @@
 """The live line in the IPython terminal, through a pseudo-terminal, with the screen read
-by a terminal emulator (pyte): one status line while the cell runs, never mixed into what
+by a terminal emulator (pyte), with --simple-prompt and with the default prompt
+(prompt_toolkit): one status line while the cell runs, never mixed into what
 the cell prints, and gone when the report line comes."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pexpect
 import pytest
@@ -104,3 +107,67 @@ def test_no_live_line_where_stdout_is_not_a_terminal(tmp_path):
     )
     assert "time " in done.stdout, done.stdout
     assert "running" not in done.stdout and "\x1b[2K" not in done.stdout, done.stdout
+
+
+class PromptScreen:
+    """`python -m IPython` with its default prompt (prompt_toolkit): everything it writes is
+    fed to a pyte screen as it comes, which answers its cursor position requests."""
+
+    def __init__(self, ipython_dir: str) -> None:
+        env = child_env(IPYTHONDIR=ipython_dir, TERM="xterm", PYTHONIOENCODING="utf-8")
+        self.screen = pyte.Screen(COLUMNS, ROWS)
+        stream = pyte.Stream(self.screen)
+        self.child = pexpect.spawn(
+            sys.executable,
+            ["-m", "IPython", "--no-banner", "--colors=nocolor",
+             "--HistoryManager.hist_file=:memory:"],
+            cwd=str(ROOT), env=env, encoding="utf-8", timeout=90, dimensions=(ROWS, COLUMNS),
+        )
+        self.screen.write_process_input = self.child.send  # pyte answers ESC[6n
+        self.child.logfile_read = type("Feed", (), {"write": staticmethod(stream.feed),
+                                                   "flush": staticmethod(lambda: None)})()
+        self.count = 1
+        self.until(lambda lines: any(ln.startswith("In [1]:") for ln in lines))
+
+    def until(self, seen: Callable[[list[str]], bool]) -> list[str]:
+        """Read what IPython writes until the screen's lines are `seen` (90 s at most)."""
+        for _ in range(450):
+            lines = [ln.rstrip() for ln in self.screen.display]
+            if seen(lines):
+                return lines
+            with contextlib.suppress(pexpect.TIMEOUT):
+                self.child.read_nonblocking(1 << 16, timeout=0.2)
+        raise AssertionError("\n".join(self.screen.display))
+
+    def cell(self, source: str, while_running: str | None = None) -> tuple[list[str], list[str]]:
+        """Type `source`; the screen once `while_running` shows (if given), and the lines
+        between the cell's prompt and the next one at the end."""
+        this, self.count = f"In [{self.count}]: {source}", self.count + 1
+        self.child.sendline(source)
+        during = ([] if while_running is None else
+                  self.until(lambda lines: any(while_running in ln for ln in lines)))
+        after = f"In [{self.count}]:"
+        lines = self.until(lambda lines: any(ln.startswith(after) for ln in lines))
+        start = lines.index(this) + 1
+        return during, lines[start:lines.index(next(ln for ln in lines if ln.startswith(after)))]
+
+    def close(self) -> None:
+        self.child.sendline("exit()")
+        self.child.expect(pexpect.EOF)
+
+
+def test_with_the_default_prompt_the_line_shows_then_the_output_and_report_alone(tmp_path):
+    term = PromptScreen(str(tmp_path))
+    try:
+        for line in SETUP.splitlines():
+            term.cell(line)
+        during, lines = term.cell(
+            "for i in range(3): print(f'step {i}', flush=True); time.sleep(0.4)",
+            while_running="running 0:0")
+        (drawn,) = [ln for ln in during if "running 0:0" in ln]
+        assert drawn.startswith("running 0:0") and "| at line 1: for i in range(3)" in drawn
+        shown = [ln for ln in lines if ln]  # IPython leaves a blank line before the prompt
+        assert shown[:3] == ["step 0", "step 1", "step 2"], lines
+        assert len(shown) == 4 and shown[3].startswith("time ") and "running" not in shown[3]
+    finally:
+        term.close()

@@ -103,7 +103,7 @@ class CellReporter:
         # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
         # The live line under a long cell (live/): replaced by the report at the end.
-        self.live = LiveLine(lambda: self._line_open)
+        self.live = LiveLine(lambda: self._line_open, self._host_start_bytes)
         self._live_ended: Ended | None = None
         self._interrupted = False  # the outermost cell ended with Ctrl-C: its line says so
 
@@ -302,22 +302,26 @@ class CellReporter:
                 self._watch_stdout()
             assert self._meter is not None  # registered only with a meter
             self._meter.start()
-            self.live.start(self._shell, self._printing,
-                            getattr(self._meter.host, "start_bytes", None))
+            self.live.start(self._shell, self._printing)
         except Exception as err:
             _log.debug("starting the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
+
+    def _host_start_bytes(self) -> int | None:
+        """RSS at the running cell's start (the live line's first tick asks)."""
+        return getattr(getattr(self._meter, "host", None), "start_bytes", None)
 
     def post_run_cell(self, result: Any) -> None:
         try:
             self._post_run_cell(result)
         finally:
-            self._end_live()
+            if self._live_ended is not None:
+                self._end_live(self._live_ended)
 
-    def _end_live(self) -> None:
+    def _end_live(self, ended: Ended) -> None:
         """Empty the live display that the report did not take the place of."""
-        ended, self._live_ended = self._live_ended, None
-        if ended is None or ended.display is None:
+        self._live_ended = None
+        if ended.display is None:
             return
         try:
             publish(self._shell.display_pub, {"text/plain": ""}, ended.display.display_id)
@@ -425,18 +429,28 @@ class CellReporter:
             if interrupted:
                 note += " (interrupted)"
             ended = self._live_ended
-            pictures = [] if ended is None else ended.pictures(record.wall_s)
-            if self._printing:
-                self._print("\n".join([record.text(note), *(text for text, _ in pictures)]))
-                return
-            bundle = record.bundle(note)
-            if pictures:
-                bundle = _with_pictures(bundle, pictures)
-            if ended is not None and ended.display is not None and ended.replace:
-                self._live_ended = None  # in place: the display becomes the report
-                publish(self._shell.display_pub, bundle, ended.display.display_id)
+            if ended is not None:
+                self._show_after_live(record, note, ended)
+            elif self._printing:
+                self._print(record.text(note))
             else:
-                publish(self._shell.display_pub, bundle)
+                publish(self._shell.display_pub, record.bundle(note))
+
+    def _show_after_live(self, record: Measurement, note: str, ended: Ended) -> None:
+        """The report of a cell whose live line ticked: with its memory pictures, in the
+        live display's place where the cell wrote nothing under it."""
+        pictures = ended.pictures(record.wall_s)
+        if self._printing:
+            self._print("\n".join([record.text(note), *(text for text, _ in pictures)]))
+            return
+        bundle = record.bundle(note)
+        if pictures:
+            bundle = _with_pictures(bundle, pictures)
+        if ended.display is not None and ended.replace:
+            self._live_ended = None  # in place: the display becomes the report
+            publish(self._shell.display_pub, bundle, ended.display.display_id)
+        else:
+            publish(self._shell.display_pub, bundle)
 
     def _stop_live(self) -> None:
         try:

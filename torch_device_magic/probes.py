@@ -830,8 +830,14 @@ def nvml_busy_percent(index: int, since_us: int, pids: set[int]) -> float | None
     wall time), in percent of the time a kernel ran, from NVML's own sample buffers: the
     device's utilisation samples, and, where other processes ran kernels there, only
     those of `pids` (this process and its workers). None where NVML gives no samples, or
-    where the busy processes are none of `pids` (a container that hides their ids).
-    Two NVML calls; no polling."""
+    where the busy processes are none of `pids` (a container that hides their ids), or
+    where NVML fails. Two NVML calls; no polling."""
+    return guarded(nvml_busy_since, index, since_us, pids)
+
+
+def nvml_busy_since(index: int, since_us: int, pids: set[int]) -> float | None:
+    """`nvml_busy_percent`, except that NVML failing (not merely having no samples) raises
+    RuntimeError('NVML failed: GpuIsLost'): the live line drops the part and says why."""
     module = nvml()
     uuid = guarded(lambda: str(torch.cuda.get_device_properties(index).uuid))
     if module is None or uuid is None:
@@ -840,9 +846,14 @@ def nvml_busy_percent(index: int, since_us: int, pids: set[int]) -> float | None
     if handle is None:
         return None
     kind = getattr(module, "NVML_GPU_UTILIZATION_SAMPLES", 1)
-    found = guarded(module.nvmlDeviceGetSamples, handle, kind, since_us)
-    samples = [s for s in (found or (None, []))[1] if s.timeStamp > since_us]
-    if not samples:  # NVML raises NotFound for none: an idle GPU, a bare container
+    try:
+        found = module.nvmlDeviceGetSamples(handle, kind, since_us)
+    except Exception as err:  # NVML raises NotFound for none: an idle GPU, a bare container
+        if _nvml_error(err) == "NotFound":
+            return None
+        raise RuntimeError(f"NVML failed: {_nvml_error(err)}") from err
+    samples = [s for s in found[1] if s.timeStamp > since_us]
+    if not samples:
         return None
     device = sum(s.sampleValue.uiVal for s in samples) / len(samples)
     per_process = guarded(module.nvmlDeviceGetProcessUtilization, handle, since_us) or []

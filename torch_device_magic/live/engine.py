@@ -1,9 +1,11 @@
 """`LiveLine`: the live line of the per-cell report, cell by cell.
 
 `start` (in `pre_run_cell`) keeps the cell's start, its parent message on a kernel and
-the main thread, and tells the session's one sampler; nothing else happens before the
-delay. The first tick chooses where to draw: a display on an ipykernel, a status line
-where the report prints and stdout is a terminal, nowhere otherwise. `stop` (in
+the main thread in attributes, and tells the session's one sampler (no lock, no
+allocation but the clock's reading); nothing else happens before the delay. The first
+tick reads the CPU time from then on (cores busy is said from the second tick) and
+chooses where to draw: a display on an ipykernel, a status line where the report
+prints and stdout is a terminal, nowhere otherwise. `stop` (in
 `post_run_cell`, before the report is shown) ends the ticks and erases the line, and
 says what the report must do with it (`Ended`).
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernel_publish import parent_of
-from ..probes import clock, cpu_seconds
+from ..probes import clock
 from . import spark
 from .kernel import KernelDisplay
 from .reads import Reader
@@ -49,75 +51,84 @@ class Ended:
 
 
 class _Cell:
-    def __init__(self, started: float, printing: bool, publisher: Any,
-                 parent: dict[str, Any] | None, host_bytes: int | None) -> None:
-        self.started, self.main_thread = started, threading.get_ident()
-        self.cpu_s, self.host_bytes = cpu_seconds(), host_bytes
-        self.reader: Reader | None = None  # made at the first tick: a short cell makes none
-        self.printing, self.publisher, self.parent = printing, publisher, parent
-        self.frontend: KernelDisplay | TerminalLine | None = None
+    """What the first tick of a cell makes (a short cell makes none of it)."""
+
+    def __init__(self, reader: Reader, frontend: KernelDisplay | TerminalLine | None) -> None:
+        self.reader, self.frontend = reader, frontend
         self.watch: StreamWatch | None = None
+        if frontend is not None:
+            self.watch = StreamWatch(frontend.before_write)
+            self.watch.install()
 
 
 class LiveLine:
     """The session's live line: on when `delay_s` > 0, after that many seconds of a cell."""
 
-    def __init__(self, line_open: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, line_open: Callable[[], bool] = lambda: False,
+                 host_start: Callable[[], int | None] = lambda: None) -> None:
         self.delay_s = 1.0
         self.period_s = 1.0  # between two ticks (tests make it shorter)
         self._line_open = line_open  # the cell's output so far ends inside a line (terminal)
+        self._host_start = host_start  # RSS at the cell's start, where the report read it
         self.label = DEFAULT_LABEL  # what the cell is doing: a magic sets it ('profiling')
-        self._sampler = Sampler()
-        self._cell: _Cell | None = None
+        self._sampler = Sampler(self._tick)
+        # The running cell, as `start` keeps it (no allocation): its start on the clock,
+        # whether the report prints, its shell, its parent message on a kernel, its thread.
+        self._running = False
+        self._started = 0.0
+        self._printing, self._main_thread = True, 0
+        self._shell: Any = None
+        self._parent: dict[str, Any] | None = None
+        self._cell: _Cell | None = None  # made by the first tick
 
     @property
     def thread_alive(self) -> bool:
         return self._sampler.alive
 
-    def start(self, shell: Any, printing: bool, host_bytes: int | None = None) -> None:
-        """A cell starts: on a kernel or where the report prints (a terminal, maybe);
-        `host_bytes`: RSS at its start, where the report read it."""
+    def start(self, shell: Any, printing: bool) -> None:
+        """A cell starts: on a kernel or where the report prints (a terminal, maybe)."""
         self.label = DEFAULT_LABEL
         if not self.delay_s:
             return
-        started = clock()
-        publisher = shell.display_pub
-        parent = None if printing else parent_of(publisher)
+        parent = None if printing else parent_of(shell.display_pub)
         if not printing and parent is None:
             return  # neither a kernel whose IOPub we can queue on nor a terminal
-        self._cell = _Cell(started, printing, publisher, parent, host_bytes)
-        self._sampler.begin(self._tick, started + self.delay_s, self.period_s)
+        self._started = started = clock()
+        self._printing, self._shell, self._parent = printing, shell, parent
+        self._main_thread = threading.get_ident()
+        self._running = True
+        self._sampler.begin(started + self.delay_s, self.period_s)
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """One tick (on the sampler's thread); False: nowhere to draw, no more ticks."""
         cell = self._cell
-        if cell is None:
-            return
-        if cell.reader is None:
-            cell.reader = Reader(cell.started, cell.main_thread, cell.cpu_s, cell.host_bytes)
-            if cell.parent is not None:
-                cell.frontend = KernelDisplay(cell.publisher, cell.parent)
+        if cell is None:  # the first: the CPU time is read from here on, not at the start
+            reader = Reader(self._started, self._main_thread, self._host_start())
+            frontend: KernelDisplay | TerminalLine | None = None
+            if self._parent is not None:
+                frontend = KernelDisplay(self._shell.display_pub, self._parent)
             elif _is_tty(sys.stdout):
-                cell.frontend = TerminalLine(sys.stdout, self._line_open())
-            if cell.frontend is not None:
-                cell.watch = StreamWatch(cell.frontend.before_write)
-                cell.watch.install()
-        if cell.frontend is not None:
-            cell.frontend.draw(line(self.label, cell.reader.read()))
-        else:  # nowhere to draw: nothing more to read
-            self._sampler.end_from_tick()
+                frontend = TerminalLine(sys.stdout, self._line_open())
+            cell = self._cell = _Cell(reader, frontend)
+        if cell.frontend is None:
+            return False
+        cell.frontend.draw(line(self.label, cell.reader.read()))
+        return True
 
     def stop(self) -> Ended | None:
         """The cell ended: no tick after this returns; the terminal's line is erased.
         None where it never ticked."""
-        cell, self._cell = self._cell, None
-        if cell is None:
+        if not self._running:
             return None
+        self._running = False
         self._sampler.end()
+        cell, self._cell = self._cell, None
+        self._shell = self._parent = None
+        if cell is None:
+            return None  # it never ticked: a short cell
         if cell.watch is not None:
             cell.watch.remove()
         frontend, reader = cell.frontend, cell.reader
-        if reader is None:
-            return None  # it never ticked: a short cell
         ended = Ended(dropped=reader.why_dropped(), samples=reader.samples)
         if isinstance(frontend, TerminalLine):
             frontend.erase()
@@ -129,7 +140,7 @@ class LiveLine:
         """Stop the thread (unload, %reload_ext)."""
         self.stop()
         self._sampler.close()
-        self._sampler = Sampler()
+        self._sampler = Sampler(self._tick)
 
 
 def _is_tty(stream: Any) -> bool:

@@ -16,7 +16,7 @@ from ..probes import (
     clock,
     cpu_seconds,
     guarded,
-    nvml_busy_percent,
+    nvml_busy_since,
     nvml_status,
     rss_bytes,
 )
@@ -31,18 +31,18 @@ class Reader:
     and its change, cores busy since the last tick, the accelerator's allocator figures
     (only where its runtime is up: nothing is started, nothing synchronised)."""
 
-    def __init__(self, started: float, main_thread: int, cpu_s: float | None = None,
-                 host_bytes: int | None = None) -> None:
+    def __init__(self, started: float, main_thread: int, host_bytes: int | None = None) -> None:
         self.started = started
         self.main_thread = main_thread
         self.dropped: dict[str, str] = {}  # part: why it was dropped
         # (elapsed, bytes) a tick, for the report's picture; halved past MAX_SAMPLES
         self.samples: dict[str, list[tuple[float, int]]] = {}
         self.host_start_bytes = host_bytes  # the cell's; else the first tick's
-        # (clock, CPU time) at the last tick, or at the cell's start
-        self._cpu = None if cpu_s is None else (started, cpu_s)
+        # (clock, CPU time) at the last tick: none at the first, so cores busy from the second
+        self._cpu: tuple[float, float] | None = None
         self._accel: Accelerator | bool | None = False  # False: not looked for yet
         self._total: int | None = None  # the device's memory, read once
+        self._busy_asked = self._busy_read = False  # NVML asked; a figure it gave
         # NVML's clock (wall time, µs) at the last tick, or at the cell's start
         self._nvml_since_us = int((time.time() - (clock() - started)) * 1e6)
 
@@ -113,9 +113,18 @@ class Reader:
             self.dropped["GPU busy"] = nvml_status()[1]
             return None
         since, self._nvml_since_us = self._nvml_since_us, int(time.time() * 1e6)
-        return nvml_busy_percent(accel.index, since, {os.getpid()})
+        self._busy_asked = True
+        try:
+            busy = nvml_busy_since(accel.index, since, {os.getpid()})
+        except RuntimeError as err:  # NVML failed: said once, in the report
+            self.dropped["GPU busy"] = str(err)
+            return None
+        self._busy_read = self._busy_read or busy is not None
+        return busy
 
     def why_dropped(self) -> list[str]:
         """One sentence a part that failed: what the final report says."""
+        if self._busy_asked and not self._busy_read and "GPU busy" not in self.dropped:
+            self.dropped["GPU busy"] = "NVML gave no samples; an idle GPU gives none"
         return [f"live line: {name} was not read ({why.removeprefix('NVML is ')})"
                 for name, why in self.dropped.items()]

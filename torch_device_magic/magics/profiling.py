@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 from IPython.core.magic import line_cell_magic, magics_class
@@ -35,7 +36,8 @@ class TorchDeviceProfileMagics(MagicsGroup):
     @argument("--trace", metavar="PATH",
               help="write the Chrome/Perfetto trace there, a file in a folder that exists "
               "(default: a temporary file, shown, kept until the next %%%%profile or the "
-              "session's end)")
+              "session's end); a folder that exists holds the traces of the ranks a "
+              "launcher starts in the cell, one per rank (default: a temporary folder)")
     @argument("--steps", type=int, default=5,
               help="where the cell has loops, record each loop's first step and STEPS more in "
               "full (ops, memory, trace; default 5), with the code outside the loops and each "
@@ -111,6 +113,12 @@ class TorchDeviceProfileMagics(MagicsGroup):
         __tracebackhide__ = True
         cell = cell_form("profile", "the code to profile", cell)
         args = parse(self.profile, line, cell=True)
+        # --trace DIR: the folder of the ranks' traces (issue 40); the cell's own is the
+        # session's temporary file then
+        rank_folder = args.trace if args.trace and os.path.isdir(
+            os.path.expanduser(args.trace)) else None
+        if rank_folder is not None:
+            args.trace, rank_folder = None, os.path.expanduser(rank_folder)
         options = profile.Options(
             args.runs, args.warmup, args.sort, args.top, args.trace, args.memory,
             threads=args.threads, steps=args.steps,
@@ -133,7 +141,7 @@ class TorchDeviceProfileMagics(MagicsGroup):
         self._profiling = True
         try:
             report, value = profile.profile_cell(
-                capture, display, self.core.traces, self.shell.user_ns, reads)
+                capture, display, self.core.traces, self.shell.user_ns, reads, rank_folder)
         finally:
             self._profiling = False
         if args.output:

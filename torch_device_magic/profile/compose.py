@@ -18,6 +18,7 @@ from ..advice.profile_rules import (
     read_setting,
 )
 from ..errors import first_sentence
+from . import ranks
 from .capture import Capture, Recorded
 from .lines import LineTracer
 from .reading import Read, read
@@ -30,18 +31,24 @@ _log = logging.getLogger(__name__)
 def profile_cell(
     capture: Capture, show_partial: Callable[[ProfileReport], None], traces: TraceFiles,
     namespace: Mapping[str, Any] | None = None, reads: Collection[str] = (),
+    rank_folder: str | None = None,
 ) -> tuple[ProfileReport | None, Any]:
     """Run `capture` and make its report: the report (None, said in one line, where the
     profile could not be read) and the cell's value. A cell that raises shows its partial
     report through `show_partial`, then its error propagates. `namespace` and `reads` (the
-    user's names that the cell reads) are for the advice."""
+    user's names that the cell reads) are for the advice. The ranks a launcher starts in
+    the cell are profiled too, their traces in `rank_folder` (else the session's)."""
     __tracebackhide__ = True
     capture.mark = compiles.records  # torch.compile's record as recording begins
 
     def report(recorded: Recorded) -> ProfileReport:
-        return _report(capture, recorded, traces, namespace or {}, reads)
+        return _with_ranks(_report(capture, recorded, traces, namespace or {}, reads),
+                           launched)
 
-    recorded, value = capture(lambda partial: show_partial(report(partial)))
+    folder = (lambda: rank_folder) if rank_folder else (
+        lambda: ranks.FOLDERS.new(capture.label))
+    with ranks.launches(capture.options, folder) as launched:
+        recorded, value = capture(lambda partial: show_partial(report(partial)))
     if recorded is None:
         return None, value
     try:
@@ -78,6 +85,23 @@ def _report(
         advice=advice,
         flops_per_step=_flops_per_step(got, tracer, opts.steps),
     )
+
+
+# --- the ranks a launcher started (issue 40) ------------------------------------------------
+
+
+def _with_ranks(report: ProfileReport, launched: ranks.Launches) -> ProfileReport:
+    """The report with a record per rank that the cell launched, and the straggler."""
+    if launched.made is None:
+        return report
+    try:
+        report.ranks = ranks.read_ranks(launched.made)
+        report.straggler, line = ranks.straggler(report.ranks)
+        report.ranks_table = ranks.table(report.ranks, launched.expected, launched.made, line)
+    except Exception as err:  # ours: the launcher's own report is still shown
+        _log.debug("the ranks could not be read", exc_info=True)
+        report.notes.append(f"the ranks' profiles could not be read: {first_sentence(err, True)}")
+    return report
 
 
 def _flops_per_step(got: Read, tracer: LineTracer | None, full_steps: int) -> float | None:

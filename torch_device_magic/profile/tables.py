@@ -51,6 +51,10 @@ class ProfileReport:
     # under the steps window: the counted FLOPs of a recorded step of the windowed loops
     flops_per_step: float | None = None
     mfu: float | None = None  # not claimed: no table of device peaks yet
+    # --- the ranks a launcher started in the cell (issue 40) ---
+    ranks: list[Any] = field(default_factory=list)  # ranks.RankRecord, one per rank back
+    straggler: int | None = None  # the rank that the others wait for, if any
+    ranks_table: Table | None = None  # a row per rank, the straggler's line, the folder
     peak_flops: float | None = None
 
     @property
@@ -154,6 +158,8 @@ class ProfileReport:
             ))
         if self.timeline is not None:
             out.append(self.timeline)
+        if self.ranks_table is not None:  # the ranks a launcher started (issue 40)
+            out.append(self.ranks_table)
         if self.advice:
             out.append(Table("advice", [], [], [a.text for a in self.advice]))
         return out

@@ -2,9 +2,11 @@
 and windowed as the cell's are, its trace and summary written however it ends (`Rank`).
 
 Everything here is process-local: the launchers' patches a forked rank inherits are
-undone before its function runs, the profiler starts and stops in the rank itself, and a
-SIGTERM (a launcher ending its ranks) stops it, writes what was recorded, then ends the
-rank as the signal would have."""
+undone before its function runs, and the profiler starts and stops in the rank itself
+(in a `finally`: a rank that raises writes what it recorded). A signal that ends a rank
+(a launcher's SIGTERM to the others once one failed, a kill) ends it as without us: no
+handler of ours is installed (a Python handler would wait for a rank blocked in a
+collective), so that rank writes nothing and the report says it did not come back."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import inspect
 import json
 import logging
 import os
-import signal
 import sys
 import textwrap
 import time
@@ -76,12 +77,7 @@ class _Run:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        previous = signal.getsignal(signal.SIGTERM)
         ended: BaseException | None = None
-        try:
-            signal.signal(signal.SIGTERM, self._terminated)
-        except ValueError:  # not the main thread: a launcher's thread
-            previous = None
         self.recording.start()
         tracing = self.code is not None and bool(self.loops)
         before = sys.gettrace()
@@ -96,15 +92,6 @@ class _Run:
             if tracing:
                 sys.settrace(before)
             self._finish(ended)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-
-    def _terminated(self, signum: int, frame: FrameType | None) -> None:
-        """SIGTERM: write what was recorded, then end as the signal ends a process."""
-        sys.settrace(None)
-        self._finish(None, killed=True)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
     # --- the steps of the function's outer loops ---------------------------------------
 
@@ -163,7 +150,7 @@ class _Run:
 
     # --- the end, however it comes -----------------------------------------------------
 
-    def _finish(self, ended: BaseException | None, killed: bool = False) -> None:
+    def _finish(self, ended: BaseException | None) -> None:
         if self.done:
             return
         self.done = True
@@ -175,11 +162,11 @@ class _Run:
             self.recording.stop()
             if not (self.seen or self.hinted):  # a process that is no rank: nothing to say
                 return
-            self._write(ended, killed)
+            self._write(ended)
         except Exception:  # ours: the rank ends as it would have
             _log.debug("the rank's profile could not be written", exc_info=True)
 
-    def _write(self, ended: BaseException | None, killed: bool) -> None:
+    def _write(self, ended: BaseException | None) -> None:
         rank = int(self.info["rank"])
         pieces = Pieces(self.recording.pieces, self.recording.to_end)
         trace = os.path.join(self.folder, f"rank{rank}.pt.trace.json")
@@ -195,7 +182,7 @@ class _Run:
             **self.info, "pid": os.getpid(), "trace": trace,
             "step_times": [ns / 1e9 for ns in self.steps.get(loop, [])] if loop else [],
             "first_step_at": self.starts.get(loop) if loop else None,
-            "ended": "killed" if killed else type(ended).__name__ if ended else None,
+            "ended": type(ended).__name__ if ended else None,
             "peak_host": peak_host[1] if peak_host else None,
             "peak_device": torch.cuda.max_memory_allocated() if self.cuda else None,
             **figures,
@@ -204,10 +191,12 @@ class _Run:
 
 
 def _stamp(trace: str, info: dict[str, Any]) -> None:
-    """The rank's `distributedInfo` in its trace, as HTA reads it."""
+    """The rank's `distributedInfo` in its trace, as HTA reads it (ours, stamped rank 0 at
+    the start, or torch's where the group existed then)."""
     with open(trace) as f:
         data = json.load(f)
-    data["distributedInfo"] = info
+    data.pop("distributedInfo", None)
+    data = {"distributedInfo": info, **data}  # first: HTA reads it from the file's head
     with open(trace, "w") as f:
         json.dump(data, f, separators=(",", ":"))
 

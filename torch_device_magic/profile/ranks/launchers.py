@@ -89,13 +89,13 @@ def launches(options: Options, folder: Callable[[], str]) -> Iterator[Launches]:
 
         real_agent = elastic.launch_agent
 
-        def launch_agent(config: Any, entrypoint: Any, args: Any) -> Any:
+        def launch_agent(config: Any, entrypoint: Any, *args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True
             if got.depth or not callable(entrypoint):  # a script's path: not ours to wrap
-                return real_agent(config, entrypoint, args)
+                return real_agent(config, entrypoint, *args, **kwargs)
             got.expected.extend(range(config.max_nodes * config.nproc_per_node))
             with ours():
-                return real_agent(config, rank(entrypoint, False), args)
+                return real_agent(config, rank(entrypoint, False), *args, **kwargs)
 
         targets.append((elastic, "launch_agent", launch_agent))
 

@@ -1,0 +1,95 @@
+"""`%%profile` across a launcher's ranks (issue 40): a small DDP loop on the CPU (gloo),
+started from the cell by torch's launchers; each rank's trace, its row, the straggler."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.process
+import os
+import sys
+
+import pytest
+import torch.multiprocessing
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+
+@pytest.fixture
+def ranks_ip(ip, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(SCRIPTS)  # spawn's ranks import the function from there
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SCRIPTS, *sys.path]))
+    ip.user_ns["store"] = str(tmp_path / "store")
+    ip.run_cell("import torch.multiprocessing as mp, ranks_train")
+    return ip
+
+
+def launch(ip, line: str, n: int, method: str, extra: str = "") -> object:
+    return ip.run_cell(
+        f"%%profile -o {line}\nmp.start_processes(ranks_train.train, args=({n}, store{extra}),"
+        f" nprocs={n}, start_method={method!r})").result
+
+
+def test_a_rank_made_slow_is_named_and_each_rank_has_a_stamped_trace(
+        ranks_ip, tmp_path, capsys):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    report = launch(ranks_ip, f"--trace {folder}", 2, "fork", ", 12, 1")
+    assert [r.rank for r in report.ranks] == [0, 1]
+    assert report.straggler == 1
+    text = str(report)
+    assert "straggler: rank 1" in text and f"traces: {folder}" in text
+    for r in report.ranks:
+        assert r.steps == 12 and len(r.step_times) == 12 and r.recorded_steps == 6
+        assert 0 < r.collective_share < 1
+        assert r.peak > 0
+        assert r.trace == str(folder / f"rank{r.rank}.pt.trace.json")
+        with open(r.trace) as f:
+            info = json.load(f)["distributedInfo"]
+        assert info == {"backend": "gloo", "rank": r.rank, "world_size": 2}
+    # nothing of it stays installed
+    assert torch.multiprocessing.start_processes.__module__ == "torch.multiprocessing.spawn"
+    assert multiprocessing.process.BaseProcess.start.__module__ == "multiprocessing.process"
+
+
+@pytest.mark.slow  # three spawned ranks import torch each
+def test_even_ranks_started_by_spawn_are_called_even(ranks_ip, capsys):
+    report = launch(ranks_ip, "", 3, "spawn", ", 12")
+    assert [r.rank for r in report.ranks] == [0, 1, 2]
+    assert report.straggler is None
+    assert "the ranks are even" in str(report)
+    assert str(report.ranks[0].trace).startswith(os.path.dirname(report.ranks[0].trace))
+
+
+def test_a_rank_that_raises_raises_as_without_profile_and_the_report_says_so(
+        ranks_ip, capsys):
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException,
+                       match="rank 1 failed on purpose"):
+        launch(ranks_ip, "", 2, "fork", ", 8, -1, 1")
+    out = capsys.readouterr().out
+    assert "PARTIAL" in out and "rank 1 (ValueError)" in out
+    assert torch.multiprocessing.start_processes.__module__ == "torch.multiprocessing.spawn"
+
+
+def test_a_cell_that_starts_no_ranks_has_none(ip):
+    report = ip.run_cell("%%profile -o\nx = 1 + 1").result
+    assert report.ranks == [] and report.straggler is None
+    assert "ranks:" not in str(report)
+
+
+def test_torch_elastic_launch_profiles_its_ranks(ranks_ip, tmp_path):
+    ranks_ip.run_cell(
+        "from torch.distributed.launcher.api import LaunchConfig, elastic_launch\n"
+        f"config = LaunchConfig(1, 1, 2, rdzv_backend='c10d', "
+        f"rdzv_endpoint='127.0.0.1:0', start_method='fork', monitor_interval=0.1)")
+    report = ranks_ip.run_cell(
+        "%%profile -o\nelastic_launch(config, ranks_train.elastic_train)(store, 8)").result
+    assert [r.rank for r in report.ranks] == [0, 1]
+    assert all(r.steps == 8 for r in report.ranks)
+
+
+def test_the_traces_load_in_hta_as_ranks_0_to_n(ranks_ip, tmp_path):
+    hta = pytest.importorskip("hta.trace_analysis")
+    report = launch(ranks_ip, f"--trace {tmp_path}", 2, "fork", ", 6")
+    analysis = hta.TraceAnalysis(trace_dir=str(tmp_path))
+    assert sorted(analysis.t.traces) == [0, 1]
+    assert len(report.ranks) == 2

@@ -10,19 +10,22 @@ import torch
 import torch.distributed as dist
 
 
+def _setup(rank: int, world: int, store: str) -> tuple:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 64)
+
+
 def train(rank: int, world: int, store: str, steps: int = 8, slow: int = -1,
           fail: int = -1) -> None:
-    """`steps` steps of DDP on a linear model; rank `slow` sleeps 20 ms a step, rank `fail`
+    """`steps` steps of DDP on a linear model; rank `slow` sleeps 100 ms a step, rank `fail`
     raises ValueError at its third step."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model, opt, x = _setup(rank, world, store)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(32, 64)
         for step in range(steps):
             if rank == slow:
-                time.sleep(0.02)
+                time.sleep(0.1)
             if rank == fail and step == 2:
                 raise ValueError(f"rank {rank} failed on purpose")
             opt.zero_grad()
@@ -34,4 +37,9 @@ def train(rank: int, world: int, store: str, steps: int = 8, slow: int = -1,
 
 def elastic_train(store: str, steps: int = 8) -> None:
     """The same, as torch elastic's entry point: the rank and world size from its env."""
-    train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), store, steps)
+    model, opt, x = _setup(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), store)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    dist.destroy_process_group()

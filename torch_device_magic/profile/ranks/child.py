@@ -41,6 +41,9 @@ class Rank:
                  indexed: bool, undo: Callable[[], None] | None = None) -> None:
         self.fn, self.options, self.folder, self.indexed = fn, options, folder, indexed
         self.undo = undo  # the launchers' patches, inherited by a forked rank
+        # elastic names its run and its events by them
+        self.__name__ = getattr(fn, "__name__", "rank")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "undo": None}  # a spawned rank inherits no patch
@@ -198,7 +201,7 @@ def _stamp(trace: str, info: dict[str, Any]) -> None:
     data.pop("distributedInfo", None)
     data = {"distributedInfo": info, **data}  # first: HTA reads it from the file's head
     with open(trace, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
+        json.dump(data, f)  # '"rank": 0', with its space: HTA's pattern wants one
 
 
 def _outer_loops(fn: Callable[..., Any]) -> dict[int, range]:

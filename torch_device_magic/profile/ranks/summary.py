@@ -19,7 +19,7 @@ from ...units import fmt_bytes, fmt_seconds
 
 COLLECTIVES = ("c10d::", "gloo:", "nccl:", "nccl", "record_param_comms")  # name prefixes
 _SUFFIX = ".tdm-summary"  # not .json: HTA reads every .json of the folder as a trace
-STRAGGLER_RATIO = 1.5  # a rank's own work this many times the others' is a straggler's
+STRAGGLER_RATIO = 2.0  # a rank's own work this many times the others' is a straggler's
 STRAGGLER_MIN_S = 0.002  # and at least this much more (and a quarter of a step): not noise
 
 
@@ -124,7 +124,8 @@ def straggler(ranks: list[RankRecord]) -> tuple[int | None, str]:
     that starts its steps later, with the figure; else (None, 'the ranks are even')."""
     timed = [r for r in ranks if r.own_times]
     if len(timed) >= 2:
-        own = {r.rank: statistics.median(r.own_times) for r in timed}
+        # the first step aside: its one-time costs (DDP's buckets) are no rank's pace
+        own = {r.rank: statistics.median(r.own_times[1:] or r.own_times) for r in timed}
         slow = max(own, key=lambda k: own[k])
         others = statistics.median(v for k, v in own.items() if k != slow)
         step = statistics.median(t for r in timed for t in r.step_times) if all(

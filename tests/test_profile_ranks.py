@@ -79,8 +79,8 @@ def test_a_cell_that_starts_no_ranks_has_none(ip):
 def test_torch_elastic_launch_profiles_its_ranks(ranks_ip, tmp_path):
     ranks_ip.run_cell(
         "from torch.distributed.launcher.api import LaunchConfig, elastic_launch\n"
-        f"config = LaunchConfig(1, 1, 2, rdzv_backend='c10d', "
-        f"rdzv_endpoint='127.0.0.1:0', start_method='fork', monitor_interval=0.1, run_id='t')")
+        "config = LaunchConfig(1, 1, 2, rdzv_backend='c10d', "
+        "rdzv_endpoint='127.0.0.1:0', start_method='fork', monitor_interval=0.1, run_id='t')")
     report = ranks_ip.run_cell(
         "%%profile -o\nelastic_launch(config, ranks_train.elastic_train)(store, 8)").result
     assert [r.rank for r in report.ranks] == [0, 1]

@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "scripts"))
 
-from IPython.testing.globalipapp import get_ipython  # noqa: E402
+from IPython.testing.globalipapp import get_ipython
 
 
 def main() -> None:

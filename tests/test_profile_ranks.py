@@ -70,6 +70,28 @@ def test_a_rank_that_raises_raises_as_without_profile_and_the_report_says_so(
     assert torch.multiprocessing.start_processes.__module__ == "torch.multiprocessing.spawn"
 
 
+def test_a_rank_killed_exits_as_without_profile_and_did_not_come_back(ranks_ip, capsys):
+    with pytest.raises(torch.multiprocessing.ProcessExitedException,
+                       match="terminated with signal SIGKILL"):
+        launch(ranks_ip, "", 2, "fork", ", 8, -1, -1, 0")
+    assert "did not come back: rank 0" in capsys.readouterr().out
+
+
+def test_plain_processes_that_form_a_group_are_ranks(ranks_ip):
+    cell = """%%profile -o
+import multiprocessing
+ctx = multiprocessing.get_context('fork')
+ps = [ctx.Process(target=ranks_train.train, args=(r, 2, store, 6)) for r in (0, 1)]
+for p in ps:
+    p.start()
+for p in ps:
+    p.join()"""
+    report = ranks_ip.run_cell(cell).result
+    assert [r.rank for r in report.ranks] == [0, 1]
+    assert all(r.steps == 6 and 0 < r.collective_share < 1 for r in report.ranks)
+    assert [p.exitcode for p in ranks_ip.user_ns["ps"]] == [0, 0]
+
+
 def test_a_cell_that_starts_no_ranks_has_none(ip):
     report = ip.run_cell("%%profile -o\nx = 1 + 1").result
     assert report.ranks == [] and report.straggler is None

@@ -4,6 +4,7 @@ bench: a module, as torch's spawn start method needs (it imports the function by
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -18,9 +19,9 @@ def _setup(rank: int, world: int, store: str) -> tuple:
 
 
 def train(rank: int, world: int, store: str, steps: int = 8, slow: int = -1,
-          fail: int = -1) -> None:
+          fail: int = -1, killed: int = -1) -> None:
     """`steps` steps of DDP on a linear model; rank `slow` sleeps 100 ms a step, rank `fail`
-    raises ValueError at its third step."""
+    raises ValueError at its third step, rank `killed` is killed (SIGKILL) there."""
     model, opt, x = _setup(rank, world, store)
     try:
         for step in range(steps):
@@ -28,6 +29,8 @@ def train(rank: int, world: int, store: str, steps: int = 8, slow: int = -1,
                 time.sleep(0.1)
             if rank == fail and step == 2:
                 raise ValueError(f"rank {rank} failed on purpose")
+            if rank == killed and step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()
             model(x).sum().backward()
             opt.step()

@@ -3,6 +3,8 @@ started from the cell by torch's launchers; each rank's trace, its row, the stra
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import multiprocessing.process
 import os
@@ -110,10 +112,13 @@ def test_torch_elastic_launch_profiles_its_ranks(ranks_ip, tmp_path):
 
 
 def test_the_traces_load_in_hta_as_ranks_0_to_n(ranks_ip, tmp_path):
-    hta = pytest.importorskip("hta.trace_analysis")
+    if importlib.util.find_spec("hta") is None:
+        pytest.skip("HolisticTraceAnalysis is not installed (the hta extra)")
     folder = tmp_path / "traces"
     folder.mkdir()
     report = launch(ranks_ip, f"--trace {folder}", 2, "fork", ", 6")
+    # imported after the fork: forked after HTA's import, the ranks hung (not looked into)
+    hta = importlib.import_module("hta.trace_analysis")
     analysis = hta.TraceAnalysis(trace_dir=str(folder))
     assert sorted(analysis.t.traces) == [0, 1]
     assert len(report.ranks) == 2

@@ -8,12 +8,53 @@ import importlib.util
 import json
 import multiprocessing.process
 import os
+import signal
 import sys
 
 import pytest
 import torch.multiprocessing
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+# bounded: a launch that hangs fails its test (pytest-timeout's SIGALRM interrupts the
+# launcher's wait) instead of the run, and `no_orphans` then kills what it left
+pytestmark = pytest.mark.timeout(120)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live processes under `pid` (its children, theirs, ...; no zombie), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    """No rank outlives its test: whatever a launch left under this process is killed (by
+    its pid) and reaped however the test ended; a test that left one fails."""
+    before = set(_descendants(os.getpid()))
+    yield
+    left = [p for p in _descendants(os.getpid()) if p not in before]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    assert not left, f"the launch left processes running: {left}"
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ bench: a module, as torch's spawn start method needs (it imports the function by
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -12,7 +13,10 @@ import torch.distributed as dist
 
 
 def _setup(rank: int, world: int, store: str) -> tuple:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # bounded: a rank left waiting for one that died gives up after 30 s (gloo's default is
+    # 30 min); the store is a fresh file per launch (a test's tmp_path), no port reused
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
     return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 64)

@@ -122,6 +122,8 @@ class _Run:
             elif running[0] is not None:  # a line past the loop, or the function returns
                 self._step_end(running[0], now - began[0])
                 running[0] = header[0] = None
+            if event == "return":
+                _yield_to_collectives()
             return local
 
         return local
@@ -191,6 +193,16 @@ class _Run:
             **figures,
         }
         summary.write(self.folder, rank, record)
+
+
+def _yield_to_collectives() -> None:
+    """The GIL let go a moment as the rank's function returns, before its locals (a DDP
+    model) go: with a profiler on, gloo's worker thread frees each collective's captured
+    thread state (a Python object: backward's context) under the GIL after the collective
+    completes, and the last reference to the process group, dropped with the GIL held,
+    joins that thread: a deadlock (torch 2.13; the same with a bare torch.profiler in the
+    rank) where the function returns within the ~5 ms that thread waits for the GIL."""
+    time.sleep(0.01)
 
 
 def _stamp(trace: str, info: dict[str, Any]) -> None:

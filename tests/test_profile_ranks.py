@@ -47,14 +47,25 @@ def no_orphans():
     its pid) and reaped however the test ended; a test that left one fails."""
     before = set(_descendants(os.getpid()))
     yield
-    left = [p for p in _descendants(os.getpid()) if p not in before]
+    # multiprocessing's resource tracker, started by the first spawn, is the session's
+    left = [p for p in _descendants(os.getpid()) if p not in before
+            and "multiprocessing.resource_tracker" not in _command(p)]
+    names = [_command(p) for p in left]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
-    assert not left, f"the launch left processes running: {left}"
+    assert not left, f"the launch left processes running: {names}"
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return str(pid)
 
 
 @pytest.fixture

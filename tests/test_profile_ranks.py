@@ -174,3 +174,12 @@ def test_the_traces_load_in_hta_as_ranks_0_to_n(ranks_ip, tmp_path):
     analysis = hta.TraceAnalysis(trace_dir=str(folder))
     assert sorted(analysis.t.traces) == [0, 1]
     assert len(report.ranks) == 2
+
+
+def test_forked_ranks_launched_again_and_again_all_end(ranks_ip, tmp_path):
+    # without the GIL let go as a rank's function returns, torch's gloo teardown with a
+    # profiler on hung one of 3 forked ranks by the third or fourth launch
+    for k in range(8):
+        ranks_ip.user_ns["store"] = str(tmp_path / f"store{k}")
+        report = launch(ranks_ip, "", 3, "fork", ", 8")
+        assert [r.rank for r in report.ranks] == [0, 1, 2]

@@ -12,21 +12,24 @@ import torch
 import torch.distributed as dist
 
 
-def _setup(rank: int, world: int, store: str) -> tuple:
+def _setup(rank: int, world: int, store: str, backend: str = "gloo") -> tuple:
+    """gloo on the CPU, or nccl with one GPU per rank (scripts/gpu-check)."""
     # bounded: a rank left waiting for one that died gives up after 30 s (gloo's default is
     # 30 min); the store is a fresh file per launch (a test's tmp_path), no port reused
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
-    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 64)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Linear(64, 64, device=device), device_ids=[rank] if backend == "nccl" else None)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 64, device=device)
 
 
 def train(rank: int, world: int, store: str, steps: int = 8, slow: int = -1,
-          fail: int = -1, killed: int = -1) -> None:
+          fail: int = -1, killed: int = -1, backend: str = "gloo") -> None:
     """`steps` steps of DDP on a linear model; rank `slow` sleeps 100 ms a step, rank `fail`
     raises ValueError at its third step, rank `killed` is killed (SIGKILL) there."""
-    model, opt, x = _setup(rank, world, store)
+    model, opt, x = _setup(rank, world, store, backend)
     try:
         for step in range(steps):
             if rank == slow:

@@ -25,6 +25,8 @@ from .recording import Recording
 
 _log = logging.getLogger(__name__)
 
+SAMPLE_S = 0.005  # how often the lines past the steps window are sampled
+
 
 @dataclass(slots=True)
 class LoopSteps:
@@ -93,6 +95,16 @@ class LineTracer:
         self._since = [0]  # when the last event came (a list: the hot path's closures share it)
         self._header: int | None = None
         self._loop: int | None = None  # the outer loop whose steps run
+        # past the window: the cell's frame runs a local function that only counts the
+        # steps; the lines there are sampled (`_Sampler`), their hits estimated
+        self._skipping = False  # the cell's frame runs the steps past the window untimed
+        self._entry: tuple[list[int], list[int]] | None = None  # hits, wall at the entry
+        self._per_step: tuple[list[float], list[float], int] | None = None
+        self._skipped_ns = 0
+        self._skip_at = 0
+        self.estimated_hits: dict[int, float] = {}
+        self.sampled_wall: dict[int, float] = {}
+        self.sampler: _Sampler | None = None
 
     @property
     def windowed(self) -> bool:
@@ -135,8 +147,10 @@ class LineTracer:
                 continue
             where, code = self.names[name]
             row = by_where.get((where, code))
+            hits = self._hits[i] + round(self.estimated_hits.get(i, 0.0))
+            wall = self._wall[i] + self.sampled_wall.get(i, 0.0)
             out.append(LineRow(
-                where=where, code=code, hits=self._hits[i], wall_s=self._wall[i] / 1e9,
+                where=where, code=code, hits=hits, wall_s=wall / 1e9,
                 cpu_s=row.cpu_s if row else 0.0, device_s=row.device_s if row else None,
                 allocated_bytes=row.allocated_bytes if row else 0, flops=row.flops if row else 0,
             ))
@@ -155,10 +169,14 @@ class LineTracer:
         from there, and a line outside the loop's steps ends them."""
         if lineno in self.loops:
             if self._loop != lineno:  # entered (again)
+                self._settle()
                 self._loop, self._past = lineno, False
                 self.loop_steps.setdefault(lineno, []).append(0)
+                self._entry = (self._hits.copy(), self._wall.copy())
             elif self.loop_steps[lineno][-1] > self.full_steps:
                 self._past = True
+                if self._per_step is None and self._entry is not None:
+                    self._per_step = self._since_entry(self.loop_steps[lineno][-1])
             self._header = lineno
             return
         header, self._header = self._header, None
@@ -166,7 +184,76 @@ class LineTracer:
             if header == self._loop:
                 self.loop_steps[header][-1] += 1
             return
+        self._settle()
         self._loop, self._past = None, False
+
+    def _since_entry(self, steps: int) -> tuple[list[float], list[float], int]:
+        """Each line's hits and wall a step, over the loop's `steps` timed since its entry."""
+        hits, wall = self._entry or ([], [])
+        pad = [0] * (len(self._hits) - len(hits))
+        return ([(a - b) / steps for a, b in zip(self._hits, hits + pad)],
+                [(a - b) / steps for a, b in zip(self._wall, wall + pad)], steps)
+
+    def _skip(self, frame: FrameType) -> Any:
+        """The cell's frame, at its loop's header past the window: from here its lines are
+        not timed (the steps are counted; the lines sampled) until a line outside the
+        loop's steps, or one never run before, runs, or the frame ends."""
+        full, header = frame.f_trace, self._loop
+        assert header is not None
+        steps, known = self.loop_steps[header], frozenset(
+            n for n in self._ids[frame.f_code] if n in self.loops[header])
+        pending = [True]  # a header came: the next line of the body begins a step
+
+        def skip(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                n = frame.f_lineno
+                if n in known:
+                    if pending[0]:
+                        pending[0] = False
+                        steps[-1] += 1
+                    return frame.f_trace
+                if n == header:
+                    pending[0] = True
+                    return frame.f_trace
+            elif event != "return":
+                return frame.f_trace
+            self._unskip(header if pending[0] else None)
+            frame.f_trace = full
+            return full(frame, event, arg)
+
+        self._skipping, self._skip_at = True, time.perf_counter_ns()
+        if self.sampler is None:
+            self.sampler = _Sampler(self)
+        frame.f_trace = skip
+        return skip
+
+    def _unskip(self, header: int | None) -> None:
+        """The lines are timed again: the time since `_skip` is the samples'."""
+        now = time.perf_counter_ns()
+        self._skipping = False
+        self._skipped_ns += now - self._skip_at
+        self._since[0] = now
+        self._header = header
+
+    def _settle(self) -> None:
+        """The loop's entry ends: its lines' hits past the timed steps, estimated from
+        those steps' (a step's hits each), and their wall there, from the samples (where
+        none was taken: the timed steps' shares)."""
+        per, self._per_step, self._entry = self._per_step, None, None
+        if per is None or self._loop is None:
+            return
+        if self._skipping:
+            self._unskip(None)
+        hits, wall, timed = per
+        past = self.loop_steps[self._loop][-1] - timed
+        for i, h in enumerate(hits):
+            if h:
+                self.estimated_hits[i] = self.estimated_hits.get(i, 0.0) + h * past
+        taken = self.sampler.take() if self.sampler is not None else {}
+        shares = taken or {i: w for i, w in enumerate(wall) if w > 0}
+        whole, ns, self._skipped_ns = sum(shares.values()), self._skipped_ns, 0
+        for i, share in shares.items():
+            self.sampled_wall[i] = self.sampled_wall.get(i, 0.0) + ns * share / whole
 
     def _switch(self, depth: int, first: bool) -> None:
         """Pause or resume the profiler where the line starting at `depth` asks for it."""
@@ -222,11 +309,17 @@ class LineTracer:
         code = frame.f_code
         if code.co_filename != self.cell_file and code not in self.codes:
             return None
+        if self._skipping:  # past the window: sampled, but for a first call
+            if code in self._ids:
+                return None
+            self._since[0] = time.perf_counter_ns()
         opened: list[Any] = []
         top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
         if top:
+            self._settle()
             self._loop, self._past = None, False  # a run of the cell begins
-        self._charge()
+        if not self._skipping:
+            self._charge()
         # the hot path (every line of every step): locals, lists indexed by the line's
         # number, no call but the clock's where nothing is due
         enter, names, innermost, hits, wall = (
@@ -260,6 +353,9 @@ class LineTracer:
                 if self._window is not None and (  # a switch is due, or may be
                         not ran or self._first is not None or self._past == self._recording):
                     self._switch(len(innermost), not ran)
+                    if loop_of is not None and self._past and self._first is None and (
+                            not self._recording):
+                        return self._skip(frame)
                 if self._recording:
                     span = enter(names[i])
                     span.__enter__()
@@ -284,6 +380,9 @@ class LineTracer:
         threading.settrace(self._thread)
 
     def stop(self) -> None:
+        self._settle()
+        if self.sampler is not None:
+            self.sampler.stop()
         if not self._recording:  # paused to the end
             self.paused_ns += time.perf_counter_ns() - self._paused_at
             self._recording = True
@@ -296,7 +395,8 @@ class LineTracer:
     def _thread(self, frame: FrameType, event: str, arg: Any) -> Any:
         """A thread the cell started, at its first call: counted (for the overview's note),
         then handed to whatever traced threads before, so it is not traced by us."""
-        self._started.append(1)  # list.append: atomic, whatever thread runs this
+        if self.sampler is None or threading.current_thread() is not self.sampler.thread:
+            self._started.append(1)  # list.append: atomic, whatever thread runs this
         previous = self._previous_threads
         sys.settrace(previous)
         return previous(frame, event, arg) if previous is not None else None
@@ -304,6 +404,47 @@ class LineTracer:
     @property
     def threads_started(self) -> int:
         return len(self._started)
+
+
+class _Sampler:
+    """A thread that, every `SAMPLE_S`, reads the main thread's frame and, while the
+    tracer skips the steps past the window, counts a sample to the innermost line of the
+    watched code running there (one the tracer has seen)."""
+
+    def __init__(self, tracer: LineTracer) -> None:
+        self._tracer = tracer
+        self._main = threading.get_ident()
+        self._done = threading.Event()
+        self._counts: dict[int, int] = {}
+        self.taken = 0
+        self.thread = threading.Thread(target=self._run, name="tdm-line-sampler", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        tracer, frames = self._tracer, sys._current_frames
+        while not self._done.wait(SAMPLE_S):
+            if not tracer._skipping:
+                continue
+            frame: FrameType | None = frames().get(self._main)
+            while frame is not None:
+                lines = tracer._ids.get(frame.f_code)
+                if lines is not None:
+                    i = lines.get(frame.f_lineno)
+                    if i:
+                        self._counts[i] = self._counts.get(i, 0) + 1
+                        self.taken += 1
+                    break
+                frame = frame.f_back
+            del frame
+
+    def take(self) -> dict[int, int]:
+        """The samples since the last take (a sample being counted may go to the next)."""
+        taken, self._counts = self._counts, {}
+        return taken
+
+    def stop(self) -> None:
+        self._done.set()
+        self.thread.join()
 
 
 def outer_loops(source: str) -> dict[int, range]:

@@ -4,6 +4,9 @@ the one-time start of torch's profiler said where it happened."""
 from __future__ import annotations
 
 import json
+import re
+import sys
+import threading
 
 import pytest
 from kernel import execute, notebook, texts
@@ -32,9 +35,10 @@ def rows(report):
 
 
 def test_every_line_past_the_steps_window_keeps_its_hits(ip):
-    """The tracer's hot path skips the step count where no step begins: every line of every
-    step still counts, a function of the cell and an -f function included, and a line
-    after the loop too."""
+    """Past the window the lines are not timed: their hits there are a timed step's each
+    times the steps counted, which on a loop whose steps alike are the hits every step
+    had, a function of the cell and an -f function included; a line after the loop is
+    timed again, and the table says what was estimated."""
     ip.run_cell("import torch")
     ip.run_cell(HELPER)
     report = ip.run_cell(f"%%profile -o -f helper\n{WINDOWED}").result
@@ -50,6 +54,79 @@ def test_every_line_past_the_steps_window_keeps_its_hits(ip):
     assert all(r.wall_s > 0 for r in got.values())
     assert sum(r.wall_s for r in report.lines) <= report.wall_s
     assert ip.user_ns["done"] == [0, 1, 2, 3]
+    assert any(n.startswith(PAST) for n in report.notes)
+
+
+PAST = "lines past the recorded steps, not timed there: hits estimated from the timed steps"
+
+
+def test_a_line_past_the_window_has_its_sampled_share_of_the_wall(ip):
+    """A loop whose one line takes nearly all of each step: past the window the samples
+    give that line most of the wall, the note says how many samples there were, and the
+    lines' wall adds up to no more than the cell's."""
+    ip.run_cell("import torch\na = torch.ones(200, 200)")
+    report = ip.run_cell("%%profile -o\nfor i in range(100):\n    b = a @ a @ a @ a\n"
+                         "    c = i + 1").result
+    got = rows(report)
+    (note,) = [n for n in report.notes if n.startswith(PAST)]
+    assert re.search(r"wall from [\d,]+ samples? of the main thread, one every 5 ms", note)
+    assert got["b = a @ a @ a @ a"].hits == got["c = i + 1"].hits == 100
+    assert got["b = a @ a @ a @ a"].wall_s > 10 * got["c = i + 1"].wall_s
+    assert sum(r.wall_s for r in report.lines) <= report.wall_s
+
+
+def test_lines_after_the_loop_and_a_first_run_past_the_window_are_timed_exactly(ip):
+    """Past the window a line never run before is timed (and recorded) for its first run,
+    a function first called there too; once the loop ends, the lines after it are timed
+    again, a second loop's steps within the window exactly."""
+    ip.run_cell("import torch\ndef late(x):\n    return x * 2")
+    report = ip.run_cell(
+        "%%profile -o -f late\nw = torch.ones(4)\nfor i in range(200):\n    y = w + i\n"
+        "    if i == 150:\n        z = late(y)\nafter = torch.zeros(2)\n"
+        "for j in range(3):\n    q = w * j\nend = 1").result
+    got = rows(report)
+    assert [loop.steps for loop in report.loops] == [[200], [3]]
+    assert got["z = late(y)"].hits == got["return x * 2"].hits == 1
+    assert got["return x * 2"].cpu_s > 0  # recorded: its op is in the table
+    assert got["after = torch.zeros(2)"].hits == got["end = 1"].hits == 1
+    assert got["q = w * j"].hits == 3 and got["for j in range(3):"].hits == 4
+    assert got["y = w + i"].hits == 200 and got["for i in range(200):"].hits == 201
+    assert ip.user_ns["end"] == 1 and not any("started 1 thread" in n for n in report.notes)
+
+
+def test_a_cell_with_every_step_recorded_is_timed_exactly_without_samples(ip):
+    ip.run_cell("import torch")
+    report = ip.run_cell("%%profile -o --steps 0\nfor i in range(40):\n    y = torch.ones(2)\n"
+                         "    if i % 4 == 0:\n        z = y + 1").result
+    got = rows(report)
+    assert got["y = torch.ones(2)"].hits == 40 and got["z = y + 1"].hits == 10
+    assert not any(n.startswith(PAST) for n in report.notes)
+
+
+def test_ctrl_c_past_the_window_leaves_the_trace_function_and_threads_as_found(ip, capsys):
+    """Interrupted while the steps past the window run untimed: a partial profile, the
+    trace function (none, or the user's own) put back, the sampler thread gone."""
+    ip.run_cell("import torch")
+    seen = []
+
+    def users_tracer(frame, event, arg):
+        seen.append(event)
+
+    cell = ("%%profile\nfor i in range(100):\n    y = torch.ones(2)\n"
+            "    if i == 60:\n        raise KeyboardInterrupt")
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell(cell)
+    assert "PARTIAL: interrupted" in capsys.readouterr().out
+    assert sys.gettrace() is None and ip.user_ns["i"] == 60
+    assert not [t for t in threading.enumerate() if t.name == "tdm-line-sampler"]
+    sys.settrace(users_tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ip.run_cell(cell)
+        ip.run_cell("%%profile\nfor i in range(100):\n    y = torch.ones(2)")
+        assert sys.gettrace() is users_tracer
+    finally:
+        sys.settrace(None)
 
 
 def test_a_first_start_faster_than_the_bound_is_not_said():

@@ -102,6 +102,7 @@ class LineTracer:
         self._per_step: tuple[list[float], list[float], int] | None = None
         self._skipped_ns = 0
         self._skip_at = 0
+        self._resumed: list[int] | None = None  # the hits as a hand-off past the window began
         self.estimated_hits: dict[int, float] = {}
         self.sampled_wall: dict[int, float] = {}
         self.sampler: _Sampler | None = None
@@ -198,7 +199,8 @@ class LineTracer:
         """The cell's frame, at its loop's header past the window: from here its lines are
         not timed (the steps are counted; the lines sampled) until a line outside the
         loop's steps, or one never run before, runs, or the frame ends."""
-        full, header = frame.f_trace, self._loop
+        full: Callable[[FrameType, str, Any], Any] = frame.f_trace  # type: ignore[assignment]
+        header = self._loop
         assert header is not None
         steps, known = self.loop_steps[header], frozenset(
             n for n in self._ids[frame.f_code] if n in self.loops[header])
@@ -221,16 +223,22 @@ class LineTracer:
             frame.f_trace = full
             return full(frame, event, arg)
 
+        if self._resumed is not None and self._per_step is not None:
+            # since the last hand-off: the estimate has these steps' hits
+            for i, h in enumerate(self._per_step[0]):
+                if h:
+                    self._hits[i] = self._resumed[i]
         self._skipping, self._skip_at = True, time.perf_counter_ns()
         if self.sampler is None:
             self.sampler = _Sampler(self)
+            self.sampler.thread.start()
         frame.f_trace = skip
         return skip
 
     def _unskip(self, header: int | None) -> None:
         """The lines are timed again: the time since `_skip` is the samples'."""
         now = time.perf_counter_ns()
-        self._skipping = False
+        self._skipping, self._resumed = False, self._hits.copy()
         self._skipped_ns += now - self._skip_at
         self._since[0] = now
         self._header = header
@@ -244,13 +252,14 @@ class LineTracer:
             return
         if self._skipping:
             self._unskip(None)
+        self._resumed = None
         hits, wall, timed = per
         past = self.loop_steps[self._loop][-1] - timed
         for i, h in enumerate(hits):
             if h:
                 self.estimated_hits[i] = self.estimated_hits.get(i, 0.0) + h * past
         taken = self.sampler.take() if self.sampler is not None else {}
-        shares = taken or {i: w for i, w in enumerate(wall) if w > 0}
+        shares: dict[int, float] = dict(taken) or {i: w for i, w in enumerate(wall) if w > 0}
         whole, ns, self._skipped_ns = sum(shares.values()), self._skipped_ns, 0
         for i, share in shares.items():
             self.sampled_wall[i] = self.sampled_wall.get(i, 0.0) + ns * share / whole
@@ -418,7 +427,6 @@ class _Sampler:
         self._counts: dict[int, int] = {}
         self.taken = 0
         self.thread = threading.Thread(target=self._run, name="tdm-line-sampler", daemon=True)
-        self.thread.start()
 
     def _run(self) -> None:
         tracer, frames = self._tracer, sys._current_frames
@@ -444,7 +452,8 @@ class _Sampler:
 
     def stop(self) -> None:
         self._done.set()
-        self.thread.join()
+        if self.thread.ident is not None:
+            self.thread.join()
 
 
 def outer_loops(source: str) -> dict[int, range]:

@@ -5,6 +5,7 @@ profile lacks, the trace file and the memory timeline (`read`)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from ..kineto.events import Event
 from ..probes import cuda_built, nvml_gpu_count, runtime_up
 from ..units import fmt_seconds, plural
 from .capture import Options, Recorded
-from .lines import LineTracer
+from .lines import SAMPLE_S, LineTracer
 from .recording import ALL_THREADS, Pieces
 from .stderr import quiet_stderr
 from .traces import TraceFiles
@@ -60,6 +61,8 @@ def read(
         # what the events cover: the wall less the pauses and the profiler's switches
         analysis.recorded_s = max(wall - (tracer.paused_ns + tracer.switch_ns) / 1e9, 0.0)
     notes = _device_notes(analysis, events, recorded.heard, cuda)
+    if tracer is not None and tracer.sampler is not None:
+        notes.append(_sampled(tracer.sampler.taken))
     notes.extend(_first_start(recorded.recording.first_start_s))
     if not cuda and runtime_up("cuda"):
         notes.append("CUDA started in this cell, after recording began: its device "
@@ -130,6 +133,18 @@ def _first_start(seconds: float | None) -> list[str]:
     where = "kernel" if "ipykernel" in sys.modules else "session"
     return [f"{fmt_seconds(seconds)} of this cell's time was torch's profiler starting for the "
             f"first time in this {where} (once: its imports)"]
+
+
+def _sampled(taken: int) -> str:
+    """What the line table's figures past the steps window are: how they were estimated."""
+    if not taken:
+        wall = "shared out as in the timed steps (no sample fell there)"
+    else:
+        wall = (f"from {plural(taken, 'sample')} of the main thread, one every "
+                f"{SAMPLE_S * 1e3:.0f} ms (a line's share of that time to about "
+                f"±{50 / math.sqrt(taken):.0f}%)")
+    return ("lines past the recorded steps, not timed there: hits estimated from the timed "
+            f"steps (a step's each), wall {wall}")
 
 
 def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool) -> list[str]:

@@ -35,10 +35,9 @@ def rows(report):
 
 
 def test_every_line_past_the_steps_window_keeps_its_hits(ip):
-    """Past the window the lines are not timed: their hits there are a timed step's each
-    times the steps counted, which on a loop whose steps alike are the hits every step
-    had, a function of the cell and an -f function included; a line after the loop is
-    timed again, and the table says what was estimated."""
+    """Past the window the lines are not timed but their hits are counted: every line of
+    every step, a function of the cell and an -f function included, and a line after the
+    loop, timed again; the report says where the wall was sampled."""
     ip.run_cell("import torch")
     ip.run_cell(HELPER)
     report = ip.run_cell(f"%%profile -o -f helper\n{WINDOWED}").result
@@ -57,7 +56,7 @@ def test_every_line_past_the_steps_window_keeps_its_hits(ip):
     assert any(n.startswith(PAST) for n in report.notes)
 
 
-PAST = "lines past the recorded steps, not timed there: hits estimated from the timed steps"
+PAST = "lines' wall past the recorded steps (their hits counted there): "
 
 
 def test_a_line_past_the_window_has_its_sampled_share_of_the_wall(ip):
@@ -69,7 +68,7 @@ def test_a_line_past_the_window_has_its_sampled_share_of_the_wall(ip):
                          "    c = i + 1").result
     got = rows(report)
     (note,) = [n for n in report.notes if n.startswith(PAST)]
-    assert re.search(r"wall from [\d,]+ samples? of the main thread, one every 5 ms", note)
+    assert re.search(r": from [\d,]+ samples? of the main thread, one every 5 ms", note)
     assert got["b = a @ a @ a @ a"].hits == got["c = i + 1"].hits == 100
     assert got["b = a @ a @ a @ a"].wall_s > 10 * got["c = i + 1"].wall_s
     assert sum(r.wall_s for r in report.lines) <= report.wall_s
@@ -92,6 +91,18 @@ def test_lines_after_the_loop_and_a_first_run_past_the_window_are_timed_exactly(
     assert got["q = w * j"].hits == 3 and got["for j in range(3):"].hits == 4
     assert got["y = w + i"].hits == 200 and got["for i in range(200):"].hits == 201
     assert ip.user_ns["end"] == 1 and not any("started 1 thread" in n for n in report.notes)
+
+
+def test_a_functions_line_first_run_past_the_window_keeps_its_hits(ip):
+    """A function the timed steps called, whose one line runs only past the window: the
+    line is in the table, every line's hits counted, a branch's included."""
+    ip.run_cell("def pick(i):\n    if i >= 180:\n        return 3\n    return 2")
+    report = ip.run_cell("%%profile -o -f pick\ntotal = 0\nfor i in range(200):\n"
+                         "    total += pick(i)").result
+    got = rows(report)
+    assert got["return 3"].hits == 20 and got["return 2"].hits == 180
+    assert got["if i >= 180:"].hits == got["total += pick(i)"].hits == 200
+    assert ip.user_ns["total"] == 2 * 180 + 3 * 20
 
 
 def test_a_cell_with_every_step_recorded_is_timed_exactly_without_samples(ip):

@@ -4,6 +4,7 @@ belongs to, the steps of the cell's outer loops, and the steps window (`LineTrac
 from __future__ import annotations
 
 import ast
+import functools
 import linecache
 import logging
 import os
@@ -95,17 +96,16 @@ class LineTracer:
         self._since = [0]  # when the last event came (a list: the hot path's closures share it)
         self._header: int | None = None
         self._loop: int | None = None  # the outer loop whose steps run
-        # past the window: the cell's frame runs a local function that only counts the
-        # steps; the lines there are sampled (`_Sampler`), their hits estimated
-        self._skipping = False  # the cell's frame runs the steps past the window untimed
-        self._entry: tuple[list[int], list[int]] | None = None  # hits, wall at the entry
-        self._per_step: tuple[list[float], list[float], int] | None = None
+        # past the window, local functions that only count the hits and the steps; the
+        # lines' wall there is sampled (`_Sampler`)
+        self._skipping = False  # the steps past the window run untimed
+        self._entry: list[int] | None = None  # the lines' wall as the loop was entered
         self._skipped_ns = 0
         self._skip_at = 0
-        self._resumed: list[int] | None = None  # the hits as a hand-off past the window began
-        self.estimated_hits: dict[int, float] = {}
+        self._sub: dict[CodeType, Any] = {}  # a code's local function past the window
         self.sampled_wall: dict[int, float] = {}
         self.sampler: _Sampler | None = None
+        self.samples: int | None = None  # once stopped: the samples taken, where any was
 
     @property
     def windowed(self) -> bool:
@@ -148,10 +148,9 @@ class LineTracer:
                 continue
             where, code = self.names[name]
             row = by_where.get((where, code))
-            hits = self._hits[i] + round(self.estimated_hits.get(i, 0.0))
             wall = self._wall[i] + self.sampled_wall.get(i, 0.0)
             out.append(LineRow(
-                where=where, code=code, hits=hits, wall_s=wall / 1e9,
+                where=where, code=code, hits=self._hits[i], wall_s=wall / 1e9,
                 cpu_s=row.cpu_s if row else 0.0, device_s=row.device_s if row else None,
                 allocated_bytes=row.allocated_bytes if row else 0, flops=row.flops if row else 0,
             ))
@@ -173,11 +172,9 @@ class LineTracer:
                 self._settle()
                 self._loop, self._past = lineno, False
                 self.loop_steps.setdefault(lineno, []).append(0)
-                self._entry = (self._hits.copy(), self._wall.copy())
+                self._entry = self._wall.copy()
             elif self.loop_steps[lineno][-1] > self.full_steps:
                 self._past = True
-                if self._per_step is None and self._entry is not None:
-                    self._per_step = self._since_entry(self.loop_steps[lineno][-1])
             self._header = lineno
             return
         header, self._header = self._header, None
@@ -188,34 +185,28 @@ class LineTracer:
         self._settle()
         self._loop, self._past = None, False
 
-    def _since_entry(self, steps: int) -> tuple[list[float], list[float], int]:
-        """Each line's hits and wall a step, over the loop's `steps` timed since its entry."""
-        hits, wall = self._entry or ([], [])
-        pad = [0] * (len(self._hits) - len(hits))
-        return ([(a - b) / steps for a, b in zip(self._hits, hits + pad)],
-                [(a - b) / steps for a, b in zip(self._wall, wall + pad)], steps)
-
     def _skip(self, frame: FrameType) -> Any:
         """The cell's frame, at its loop's header past the window: from here its lines are
-        not timed (the steps are counted; the lines sampled) until a line outside the
-        loop's steps, or one never run before, runs, or the frame ends."""
+        not timed (sampled), only their hits and the steps counted, until a line outside
+        the loop's steps or one never run before runs, or the frame ends."""
         full: Callable[[FrameType, str, Any], Any] = frame.f_trace  # type: ignore[assignment]
-        header = self._loop
+        header, hits = self._loop, self._hits
         assert header is not None
-        steps, known = self.loop_steps[header], frozenset(
-            n for n in self._ids[frame.f_code] if n in self.loops[header])
+        body, steps = self.loops[header], self.loop_steps[header]
+        lines = {n: i for n, i in self._ids[frame.f_code].items() if n in body or n == header}
         pending = [True]  # a header came: the next line of the body begins a step
 
         def skip(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "line":
                 n = frame.f_lineno
-                if n in known:
-                    if pending[0]:
+                i = lines.get(n)
+                if i is not None:
+                    hits[i] += 1
+                    if n == header:
+                        pending[0] = True
+                    elif pending[0]:
                         pending[0] = False
                         steps[-1] += 1
-                    return frame.f_trace
-                if n == header:
-                    pending[0] = True
                     return frame.f_trace
             elif event != "return":
                 return frame.f_trace
@@ -223,11 +214,7 @@ class LineTracer:
             frame.f_trace = full
             return full(frame, event, arg)
 
-        if self._resumed is not None and self._per_step is not None:
-            # since the last hand-off: the estimate has these steps' hits
-            for i, h in enumerate(self._per_step[0]):
-                if h:
-                    self._hits[i] = self._resumed[i]
+        self._sub.clear()
         self._skipping, self._skip_at = True, time.perf_counter_ns()
         if self.sampler is None:
             self.sampler = _Sampler(self)
@@ -235,34 +222,39 @@ class LineTracer:
         frame.f_trace = skip
         return skip
 
+    def _skipped(self, code: CodeType) -> Any:
+        """The local function of a frame of watched code past the window: its lines
+        untimed (sampled), their hits counted (a line never run before too, not recorded)."""
+        local = self._sub.get(code)
+        if local is None:
+            local = self._sub[code] = functools.partial(
+                _count_hits, self._ids[code], self._hits, self._line, code)
+        return local
+
     def _unskip(self, header: int | None) -> None:
         """The lines are timed again: the time since `_skip` is the samples'."""
         now = time.perf_counter_ns()
-        self._skipping, self._resumed = False, self._hits.copy()
+        self._skipping = False
         self._skipped_ns += now - self._skip_at
         self._since[0] = now
         self._header = header
 
     def _settle(self) -> None:
-        """The loop's entry ends: its lines' hits past the timed steps, estimated from
-        those steps' (a step's hits each), and their wall there, from the samples (where
-        none was taken: the timed steps' shares)."""
-        per, self._per_step, self._entry = self._per_step, None, None
-        if per is None or self._loop is None:
-            return
+        """The loop's entry ends: the time its steps ran untimed goes to the lines by the
+        samples taken there (where none was: as the timed steps' wall went)."""
+        entry, self._entry = self._entry, None
         if self._skipping:
             self._unskip(None)
-        self._resumed = None
-        hits, wall, timed = per
-        past = self.loop_steps[self._loop][-1] - timed
-        for i, h in enumerate(hits):
-            if h:
-                self.estimated_hits[i] = self.estimated_hits.get(i, 0.0) + h * past
+        ns, self._skipped_ns = self._skipped_ns, 0
+        if not ns or entry is None:
+            return
         taken = self.sampler.take() if self.sampler is not None else {}
-        shares: dict[int, float] = dict(taken) or {i: w for i, w in enumerate(wall) if w > 0}
-        whole, ns, self._skipped_ns = sum(shares.values()), self._skipped_ns, 0
+        shares: dict[int, float] = dict(taken) or {
+            i: w - (entry[i] if i < len(entry) else 0) for i, w in enumerate(self._wall)}
+        whole = sum(s for s in shares.values() if s > 0)
         for i, share in shares.items():
-            self.sampled_wall[i] = self.sampled_wall.get(i, 0.0) + ns * share / whole
+            if share > 0 and whole:
+                self.sampled_wall[i] = self.sampled_wall.get(i, 0.0) + ns * share / whole
 
     def _switch(self, depth: int, first: bool) -> None:
         """Pause or resume the profiler where the line starting at `depth` asks for it."""
@@ -320,7 +312,7 @@ class LineTracer:
             return None
         if self._skipping:  # past the window: sampled, but for a first call
             if code in self._ids:
-                return None
+                return self._skipped(code)
             self._since[0] = time.perf_counter_ns()
         opened: list[Any] = []
         top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
@@ -390,8 +382,10 @@ class LineTracer:
 
     def stop(self) -> None:
         self._settle()
-        if self.sampler is not None:
+        if self.sampler is not None:  # it and the local functions past the window: no cycle
             self.sampler.stop()
+            self.samples, self.sampler = self.sampler.taken, None
+        self._sub.clear()
         if not self._recording:  # paused to the end
             self.paused_ns += time.perf_counter_ns() - self._paused_at
             self._recording = True
@@ -415,6 +409,18 @@ class LineTracer:
         return len(self._started)
 
 
+def _count_hits(ids: dict[int, int], hits: list[int], line_of: Callable[[CodeType, int], int],
+                code: CodeType, frame: FrameType, event: str, arg: Any) -> Any:
+    """Past the window, a frame's local function: its lines' hits, counted."""
+    if event == "line":
+        n = frame.f_lineno
+        i = ids.get(n)
+        if i is None:
+            i = line_of(code, n) if n else 0
+        hits[i] += 1
+    return frame.f_trace
+
+
 class _Sampler:
     """A thread that, every `SAMPLE_S`, reads the main thread's frame and, while the
     tracer skips the steps past the window, counts a sample to the innermost line of the
@@ -436,11 +442,10 @@ class _Sampler:
             frame: FrameType | None = frames().get(self._main)
             while frame is not None:
                 lines = tracer._ids.get(frame.f_code)
-                if lines is not None:
-                    i = lines.get(frame.f_lineno)
-                    if i:
-                        self._counts[i] = self._counts.get(i, 0) + 1
-                        self.taken += 1
+                i = lines.get(frame.f_lineno) if lines is not None else None
+                if i:
+                    self._counts[i] = self._counts.get(i, 0) + 1
+                    self.taken += 1
                     break
                 frame = frame.f_back
             del frame

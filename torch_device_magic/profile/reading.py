@@ -61,8 +61,8 @@ def read(
         # what the events cover: the wall less the pauses and the profiler's switches
         analysis.recorded_s = max(wall - (tracer.paused_ns + tracer.switch_ns) / 1e9, 0.0)
     notes = _device_notes(analysis, events, recorded.heard, cuda)
-    if tracer is not None and tracer.sampler is not None:
-        notes.append(_sampled(tracer.sampler.taken))
+    if tracer is not None and tracer.samples is not None:
+        notes.append(_sampled(tracer.samples))
     notes.extend(_first_start(recorded.recording.first_start_s))
     if not cuda and runtime_up("cuda"):
         notes.append("CUDA started in this cell, after recording began: its device "
@@ -136,15 +136,14 @@ def _first_start(seconds: float | None) -> list[str]:
 
 
 def _sampled(taken: int) -> str:
-    """What the line table's figures past the steps window are: how they were estimated."""
+    """What the line table's wall is past the steps window: how it was had."""
     if not taken:
-        wall = "shared out as in the timed steps (no sample fell there)"
+        how = "shared out as in the timed steps (no sample fell there)"
     else:
-        wall = (f"from {plural(taken, 'sample')} of the main thread, one every "
-                f"{SAMPLE_S * 1e3:.0f} ms (a line's share of that time to about "
-                f"±{50 / math.sqrt(taken):.0f}%)")
-    return ("lines past the recorded steps, not timed there: hits estimated from the timed "
-            f"steps (a step's each), wall {wall}")
+        how = (f"from {plural(taken, 'sample')} of the main thread, one every "
+               f"{SAMPLE_S * 1e3:.0f} ms (a line's share of that time to about "
+               f"±{50 / math.sqrt(taken):.0f}%)")
+    return f"lines' wall past the recorded steps (their hits counted there): {how}"
 
 
 def _thread_notes(events: list[Event], tracer: LineTracer | None, threads: bool) -> list[str]:

@@ -76,17 +76,22 @@ def test_a_line_past_the_window_has_its_sampled_share_of_the_wall(ip):
 
 def test_lines_after_the_loop_and_a_first_run_past_the_window_are_timed_exactly(ip):
     """Past the window a line never run before is timed (and recorded) for its first run,
-    a function first called there too; once the loop ends, the lines after it are timed
-    again, a second loop's steps within the window exactly."""
-    ip.run_cell("import torch\ndef late(x):\n    return x * 2")
+    a function first called there (from a line that ran before) too, and the recording
+    pauses again after it; once the loop ends, the lines after it are timed again, a
+    second loop's steps within the window exactly."""
+    ip.run_cell("import torch\ndef late(x):\n    return x * 2\nearly = lambda x: x")
     report = ip.run_cell(
         "%%profile -o -f late\nw = torch.ones(4)\nfor i in range(200):\n    y = w + i\n"
-        "    if i == 150:\n        z = late(y)\nafter = torch.zeros(2)\n"
-        "for j in range(3):\n    q = w * j\nend = 1").result
+        "    z = (late if i == 150 else early)(y)\n    if i == 180:\n        u = w - 1\n"
+        "after = torch.zeros(2)\nfor j in range(3):\n    q = w * j\nend = 1").result
     got = rows(report)
     assert [loop.steps for loop in report.loops] == [[200], [3]]
-    assert got["z = late(y)"].hits == got["return x * 2"].hits == 1
-    assert got["return x * 2"].cpu_s > 0  # recorded: its op is in the table
+    assert got["z = (late if i == 150 else early)(y)"].hits == 200
+    assert got["return x * 2"].hits == got["u = w - 1"].hits == 1
+    assert got["return x * 2"].cpu_s > 0 and got["u = w - 1"].cpu_s > 0  # recorded
+    # and the recording paused again after each: of the loop, its steps 1-6 alone
+    ops = {op.name: op.calls for op in report.analysis.ops}
+    assert ops["aten::add"] == 6 and ops["aten::mul"] == 1 + 3 and ops["aten::sub"] == 1
     assert got["after = torch.zeros(2)"].hits == got["end = 1"].hits == 1
     assert got["q = w * j"].hits == 3 and got["for j in range(3):"].hits == 4
     assert got["y = w + i"].hits == 200 and got["for i in range(200):"].hits == 201

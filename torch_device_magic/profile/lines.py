@@ -103,6 +103,7 @@ class LineTracer:
         self._skipped_ns = 0
         self._skip_at = 0
         self._sub: dict[CodeType, Any] = {}  # a code's local function past the window
+        self._hand_back: Callable[[], None] | None = None  # the cell's frame timed again
         self.sampled_wall: dict[int, float] = {}
         self.sampler: _Sampler | None = None
         self.samples: int | None = None  # once stopped: the samples taken, where any was
@@ -194,7 +195,13 @@ class LineTracer:
         assert header is not None
         body, steps = self.loops[header], self.loop_steps[header]
         lines = {n: i for n, i in self._ids[frame.f_code].items() if n in body or n == header}
-        pending = [True]  # a header came: the next line of the body begins a step
+        # a header came (else a body's line, its step counted): the next line of the body
+        # begins a step
+        pending = [frame.f_lineno == header]
+
+        def hand_back() -> None:
+            self._unskip(header if pending[0] else None)
+            frame.f_trace = full
 
         def skip(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "line":
@@ -210,12 +217,12 @@ class LineTracer:
                     return frame.f_trace
             elif event != "return":
                 return frame.f_trace
-            self._unskip(header if pending[0] else None)
-            frame.f_trace = full
+            hand_back()
             return full(frame, event, arg)
 
         self._sub.clear()
         self._skipping, self._skip_at = True, time.perf_counter_ns()
+        self._hand_back = hand_back
         if self.sampler is None:
             self.sampler = _Sampler(self)
             self.sampler.thread.start()
@@ -234,7 +241,7 @@ class LineTracer:
     def _unskip(self, header: int | None) -> None:
         """The lines are timed again: the time since `_skip` is the samples'."""
         now = time.perf_counter_ns()
-        self._skipping = False
+        self._skipping, self._hand_back = False, None
         self._skipped_ns += now - self._skip_at
         self._since[0] = now
         self._header = header
@@ -313,14 +320,14 @@ class LineTracer:
         if self._skipping:  # past the window: sampled, but for a first call
             if code in self._ids:
                 return self._skipped(code)
-            self._since[0] = time.perf_counter_ns()
+            if self._hand_back is not None:  # timed and recorded, like the cell's frame
+                self._hand_back()
         opened: list[Any] = []
         top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
         if top:
             self._settle()
             self._loop, self._past = None, False  # a run of the cell begins
-        if not self._skipping:
-            self._charge()
+        self._charge()
         # the hot path (every line of every step): locals, lists indexed by the line's
         # number, no call but the clock's where nothing is due
         enter, names, innermost, hits, wall = (

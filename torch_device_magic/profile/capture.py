@@ -21,18 +21,20 @@ started) goes to the line whose range was innermost when it started, a kernel
 to the line of the op that launched it. The tracer also counts the threads the
 cell starts (`threading.settrace`, once a thread), so that without `--threads`
 the overview says their ops are missing. The ranges
-are in the trace too, named by their line. A traced line costs about a µs
-past the steps window, where no range is opened (docs/profile.md, "How lines are
-timed over every step"; `bench/bench_profile_shapes.py` measures it); frames of
-other code pay one call of the tracer each.
+are in the trace too, named by their line. Past the steps window a line costs
+one call that counts its hit, no clock read (docs/profile.md, "How lines are timed
+over every step"; `bench/bench_profile_shapes.py` measures it); frames of other
+code pay one call of the tracer each.
 
 A long loop. Where the cell has loops at its top level, the tracer counts each
 loop's steps, each time it is entered, and pauses the profiler (its session stopped
 and kept) as a loop's 7th step begins (`--steps`), resuming it (a new session) where
 the code outside the loop runs, and for a line's first run wherever it falls; it
-times every line of every step itself. So the capture (kineto's record, the events
-read, the trace) is bounded whatever the number of steps, the code outside the loops
-is recorded in full, and the lines' hits and wall still cover every step. The report
+counts every line's hits of every step itself, and times the lines' wall there too,
+but past the window, where a thread samples which line runs. So the capture
+(kineto's record, the events read, the trace) is bounded whatever the number of
+steps, the code outside the loops is recorded in full, and the lines' hits and wall
+still cover every step. The report
 reads every session on one clock; the pauses and resumes are charged to no line.
 
 Figures are read from kineto's own events (`kineto_results.events()`), not

@@ -50,8 +50,10 @@ class LineTracer:
     falls (from its start to the start of the next line of its frame or an outer one),
     and `window.resume()`s where the code outside the loop's steps runs. The profiler's
     own pauses and resumes are charged to no line (`switch_ns`). So that the lines keep
-    their figures over every step, it times each line itself too (`hits`, `wall_ns`:
-    the time each was the innermost line)."""
+    their figures over every step, it counts each line's hits itself and times it (the
+    time each was the innermost line); past the window, where the profiler is paused,
+    it only counts (`_skip`, `_skipped`), and the time the loop ran there goes to the
+    lines by a thread's samples (`_Sampler`, `sampled_wall`)."""
 
     def __init__(
         self, cell_file: str, cell_label: str, functions: Sequence[tuple[Any, str]] = (),

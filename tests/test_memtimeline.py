@@ -5,6 +5,7 @@ format on a fake allocator, and cuda-marked on a GPU), and drawn as SVG and text
 from __future__ import annotations
 
 import pickle
+import re
 import time
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
@@ -124,7 +125,10 @@ def test_a_windowed_loops_timeline_says_what_it_left_out(ip):
     """Each step's frees of the step before fall, past the window, where nothing records."""
     tl = profile_memory(ip, "", WINDOWED)
     assert tl.start_bytes == 0 and 12 * MiB <= tl.peak_bytes < 12 * MiB + 4096
-    assert "0 B -> 8.0 MiB (8.0 MiB of it maybe freed in the steps left out)" in tl.headline()
+    # the window closes after step 6's `a` or its `b` (a loaded machine's run saw either):
+    # what the last recorded step left alive is said as maybe freed, whichever it was
+    assert re.search(r"0 B -> ([48])\.0 MiB \(\1\.0 MiB of it maybe freed in the steps left "
+                     r"out\)", tl.headline())
     assert "a loop's steps past --steps were not recorded" in tl.text()
 
 

@@ -101,13 +101,6 @@ class TorchDeviceMagics(Magics):
         "%devreport live on|off is the same switch).",
     ).tag(config=True)
 
-    @validate("live_delay")
-    def _live_delay_valid(self, proposal: Any) -> Any:
-        if not math.isfinite(proposal.value) or proposal.value < 0:
-            raise TraitError(f"live_delay must be a finite number of seconds, 0 (off) or "
-                             f"more, not {proposal.value}")
-        return proposal.value
-
     @observe("live_delay")
     def _live_delay_changed(self, change: Any) -> None:
         self.reporter.live.delay_s = change.new
@@ -177,16 +170,15 @@ class TorchDeviceMagics(Magics):
                         stored.pop(key, None)
             raise
 
-    @validate("report_min_seconds", "report_min_bytes")
+    @validate("report_min_seconds", "report_min_bytes", "live_delay")
     def _not_negative(self, proposal: Any) -> Any:
-        if not math.isfinite(proposal.value):
-            raise TraitError(
-                f"{proposal.trait.name} must be a finite number, 0 (unset) or more, "
-                f"not {proposal.value}"
-            )
-        if proposal.value < 0:
-            raise TraitError(f"{proposal.trait.name} must be 0 (unset) or more")
-        return proposal.value
+        name, value = proposal.trait.name, proposal.value
+        zero = "off" if name == "live_delay" else "unset"
+        if not math.isfinite(value):
+            raise TraitError(f"{name} must be a finite number, 0 ({zero}) or more, not {value}")
+        if value < 0:
+            raise TraitError(f"{name} must be 0 ({zero}) or more")
+        return value
 
     @observe("auto_report", "report_min_seconds", "report_min_bytes", "sync", "hints", "advice")
     def _report_settings_changed(self, change: Any) -> None:

@@ -72,6 +72,31 @@ def init():
         p.requires_grad = True
 """
 
+# One step of the batch-norm MLP (~20 lines): the "batchnorm" shape, and the "stats"
+# shape with per-layer statistics after it.
+BATCHNORM_STEP = """    ix = torch.randint(0, Xtr.shape[0], (batch,), generator=g)
+    Xb, Yb = Xtr[ix], Ytr[ix]
+    emb = C[Xb]
+    embcat = emb.view(emb.shape[0], -1)
+    hpreact = embcat @ W1 + b1
+    bnmeani = hpreact.mean(0, keepdim=True)
+    bnstdi = hpreact.std(0, keepdim=True)
+    hpreact = bngain * (hpreact - bnmeani) / bnstdi + bnbias
+    with torch.no_grad():
+        bnmean = 0.999 * bnmean + 0.001 * bnmeani
+        bnstd = 0.999 * bnstd + 0.001 * bnstdi
+    h = torch.tanh(hpreact)
+    logits = h @ W2 + b2
+    loss = F.cross_entropy(logits, Yb)
+    for p in parameters:
+        p.grad = None
+    loss.backward()
+    lr = 0.1 if i < {half} else 0.01
+    for p in parameters:
+        p.data += -lr * p.grad
+    lossi.append(loss.log10().item())
+"""
+
 SHAPES = {
     "bigram": """N = torch.zeros((27, 27), dtype=torch.int32)
 for w in words:
@@ -96,56 +121,9 @@ for i in range({steps}):
         p.data += -lr * p.grad
     lossi.append(loss.log10().item())
 """,
-    "batchnorm": """init()
-lossi = []
-for i in range({steps}):
-    ix = torch.randint(0, Xtr.shape[0], (batch,), generator=g)
-    Xb, Yb = Xtr[ix], Ytr[ix]
-    emb = C[Xb]
-    embcat = emb.view(emb.shape[0], -1)
-    hpreact = embcat @ W1 + b1
-    bnmeani = hpreact.mean(0, keepdim=True)
-    bnstdi = hpreact.std(0, keepdim=True)
-    hpreact = bngain * (hpreact - bnmeani) / bnstdi + bnbias
-    with torch.no_grad():
-        bnmean = 0.999 * bnmean + 0.001 * bnmeani
-        bnstd = 0.999 * bnstd + 0.001 * bnstdi
-    h = torch.tanh(hpreact)
-    logits = h @ W2 + b2
-    loss = F.cross_entropy(logits, Yb)
-    for p in parameters:
-        p.grad = None
-    loss.backward()
-    lr = 0.1 if i < {half} else 0.01
-    for p in parameters:
-        p.data += -lr * p.grad
-    lossi.append(loss.log10().item())
-""",
-    "stats": """init()
-lossi, ud, saturated = [], [], []
-for i in range({steps2}):
-    ix = torch.randint(0, Xtr.shape[0], (batch,), generator=g)
-    Xb, Yb = Xtr[ix], Ytr[ix]
-    emb = C[Xb]
-    embcat = emb.view(emb.shape[0], -1)
-    hpreact = embcat @ W1 + b1
-    bnmeani = hpreact.mean(0, keepdim=True)
-    bnstdi = hpreact.std(0, keepdim=True)
-    hpreact = bngain * (hpreact - bnmeani) / bnstdi + bnbias
-    with torch.no_grad():
-        bnmean = 0.999 * bnmean + 0.001 * bnmeani
-        bnstd = 0.999 * bnstd + 0.001 * bnstdi
-    h = torch.tanh(hpreact)
-    logits = h @ W2 + b2
-    loss = F.cross_entropy(logits, Yb)
-    for p in parameters:
-        p.grad = None
-    loss.backward()
-    lr = 0.1 if i < {half} else 0.01
-    for p in parameters:
-        p.data += -lr * p.grad
-    lossi.append(loss.log10().item())
-    with torch.no_grad():
+    "batchnorm": "init()\nlossi = []\nfor i in range({steps}):\n" + BATCHNORM_STEP,
+    "stats": "init()\nlossi, ud, saturated = [], [], []\nfor i in range({steps2}):\n"
+    + BATCHNORM_STEP + """    with torch.no_grad():
         ud.append([((lr * p.grad).std() / p.data.std()).log10().item() for p in parameters])
         saturated.append((h.abs() > 0.97).float().mean().item())
 """,

@@ -98,8 +98,6 @@ def test_sort_and_top_choose_the_op_table(ip):
     ("-f nowhere", "-f nowhere: cannot find it (NameError"),
     ("-f x", "-f x: Tensor is not a Python function"),
     ("--frobnicate", "%%profile: unrecognized arguments: --frobnicate"),
-    ("--trace .", "%%profile --trace .: that is a folder; give a file name in it, e.g. "
-                  "--trace ./step.json"),
     ("--trace no/such/dir/t.json", "%%profile --trace no/such/dir/t.json: there is no folder "),
     ("--threads --memory", "%%profile --threads --memory: torch records no memory allocations "
                            "while it records every thread"),

@@ -54,6 +54,16 @@ DATA_PARALLEL_GPUS = 2  # tb: DataParallel on this many GPUs or more
 MFU_LOW = 0.30
 MFU_HIGH = 0.60
 COUNTED_SHARE = 0.50  # the counted ops' kernels' share of the device's busy time
+# issue 40 (ours): a launcher's ranks. A straggler: a rank whose own work in a step (outside
+# collectives) is this many times the other ranks' median...
+STRAGGLER_RATIO = 2.0
+STRAGGLER_MIN_S = 0.002  # ...and at least this much more (and a quarter of a step)...
+STRAGGLER_STEPS_SHARE = 0.75  # ...and the slowest rank in this share of the recorded steps
+STRAGGLER_LATE_STEPS = 10  # or whose first step starts this many median steps late...
+STRAGGLER_LATE_S = 0.1  # ...and at least this late
+COLLECTIVE_SHARE = 0.50  # the ranks' median share of a step in collectives, said from this
+UNEVEN_PEAK_RATIO = 1.5  # one rank's peak memory this many times another's...
+UNEVEN_PEAK_BYTES = 256 * MiB  # ...and at least this much more
 
 
 def capacity_share(peak_bytes: int | None, total_bytes: int | None) -> float | None:

@@ -35,7 +35,8 @@ class TorchDeviceProfileMagics(MagicsGroup):
     @argument("--trace", metavar="PATH",
               help="write the Chrome/Perfetto trace there, a file in a folder that exists "
               "(default: a temporary file, shown, kept until the next %%%%profile or the "
-              "session's end)")
+              "session's end); a folder that exists holds the traces of the ranks a "
+              "launcher starts in the cell, one per rank (default: a temporary folder)")
     @argument("--steps", type=int, default=5,
               help="where the cell has loops, record each loop's first step and STEPS more in "
               "full (ops, memory, trace; default 5), with the code outside the loops and each "
@@ -115,9 +116,10 @@ class TorchDeviceProfileMagics(MagicsGroup):
         __tracebackhide__ = True
         cell = cell_form("profile", "the code to profile", cell)
         args = parse(self.profile, line, cell=True)
+        rank_folder = profile.trace_folder(args.trace)  # --trace DIR: the ranks' traces
         options = profile.Options(
-            args.runs, args.warmup, args.sort, args.top, args.trace, args.memory,
-            threads=args.threads, steps=args.steps,
+            args.runs, args.warmup, args.sort, args.top, None if rank_folder else args.trace,
+            args.memory, threads=args.threads, steps=args.steps,
         )
         options.check()
         profile.refuse_if_recording(self._profiling)
@@ -138,7 +140,7 @@ class TorchDeviceProfileMagics(MagicsGroup):
         try:
             report, value = profile.profile_cell(
                 capture, display, self.core.traces, self.shell.user_ns, reads,
-                self.core.peak_flops)
+                self.core.peak_flops, rank_folder)
         finally:
             self._profiling = False
         if args.output:

@@ -16,7 +16,7 @@ What the events are and mean is below the advice, in `kineto`; only `compose` (a
 `tables` that render it) knows the advice.
 """
 
-from .capture import Capture, Options
+from .capture import Capture, Options, trace_folder
 from .compose import profile_cell
 from .lines import functions, outer_loops
 from .recording import refuse_if_recording
@@ -24,4 +24,4 @@ from .tables import ProfileReport
 from .traces import TraceFiles
 
 __all__ = ["Capture", "Options", "ProfileReport", "TraceFiles", "functions", "outer_loops",
-           "profile_cell", "refuse_if_recording"]
+           "profile_cell", "refuse_if_recording", "trace_folder"]

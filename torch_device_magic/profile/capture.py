@@ -125,16 +125,26 @@ class Options:
             _check_trace(self.trace)
 
 
+def trace_folder(trace: str | None) -> str | None:
+    """Where `--trace` names a folder that exists: that folder, for the traces of the ranks
+    a launcher starts in the cell (the cell's own goes to the session's temporary file),
+    checked writable before the cell runs; None where it names a file (or nothing)."""
+    path = os.path.expanduser(trace or "")
+    if not trace or not os.path.isdir(path):
+        return None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DeviceMagicError(f"%%profile --trace {trace}: that folder cannot be written "
+                               "(no permission)")
+    return path
+
+
 def _check_trace(trace: str) -> None:
-    """A trace path the file can be written to, checked before the cell runs: a file name
-    in a folder that exists and that we may write in."""
+    """A trace file's path, checked before the cell runs: a file name in a folder that
+    exists and that we may write in (a folder itself is `trace_folder`'s)."""
     if not trace.strip():
         raise DeviceMagicError("--trace needs a file name, e.g. --trace step.json")
     path = os.path.expanduser(trace)
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise DeviceMagicError(f"%%profile --trace {trace}: that is a folder; give a file name "
-                               f"in it, e.g. --trace {os.path.join(trace, 'step.json')}")
     if not os.path.isdir(folder):
         raise DeviceMagicError(f"%%profile --trace {trace}: there is no folder {folder} "
                                "(make it first)")

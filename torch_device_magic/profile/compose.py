@@ -17,8 +17,10 @@ from ..advice.profile_rules import (
     name_kinds,
     read_setting,
 )
+from ..advice.rank_rules import advise_ranks
 from ..errors import first_sentence
 from ..kineto.peaks import Claim
+from . import ranks
 from .capture import Capture, Recorded
 from .lines import LineTracer
 from .reading import Read, read
@@ -31,20 +33,25 @@ _log = logging.getLogger(__name__)
 def profile_cell(
     capture: Capture, show_partial: Callable[[ProfileReport], None], traces: TraceFiles,
     namespace: Mapping[str, Any] | None = None, reads: Collection[str] = (),
-    peak_flops: float | dict[str, float] | None = None,
+    peak_flops: float | dict[str, float] | None = None, rank_folder: str | None = None,
 ) -> tuple[ProfileReport | None, Any]:
     """Run `capture` and make its report: the report (None, said in one line, where the
     profile could not be read) and the cell's value. A cell that raises shows its partial
     report through `show_partial`, then its error propagates. `namespace` and `reads` (the
     user's names that the cell reads) are for the advice; `peak_flops`, the user's peak
-    (TorchDeviceMagics.peak_flops), for the MFU."""
+    (TorchDeviceMagics.peak_flops), for the MFU. The ranks a launcher starts in the cell
+    are profiled too, their traces in `rank_folder` (else the session's)."""
     __tracebackhide__ = True
     capture.mark = compiles.records  # torch.compile's record as recording begins
 
     def report(recorded: Recorded) -> ProfileReport:
-        return _report(capture, recorded, traces, namespace or {}, reads, peak_flops)
+        return _with_ranks(_report(capture, recorded, traces, namespace or {}, reads,
+                                   peak_flops), launched, rank_folder)
 
-    recorded, value = capture(lambda partial: show_partial(report(partial)))
+    folder = (lambda: rank_folder) if rank_folder else (
+        lambda: ranks.FOLDERS.new(capture.label))
+    with ranks.launches(capture.options, folder) as launched:
+        recorded, value = capture(lambda partial: show_partial(report(partial)))
     if recorded is None:
         return None, value
     try:
@@ -82,6 +89,31 @@ def _report(
         advice=advice,
         flops_per_step=_flops_per_step(got, tracer, opts.steps), claim=claim,
     )
+
+
+# --- the ranks a launcher started (issue 40) ------------------------------------------------
+
+
+def _with_ranks(report: ProfileReport, launched: ranks.Launches,
+                asked: str | None) -> ProfileReport:
+    """The report with a record per rank that the cell launched, and the straggler; where
+    the user `asked` for a folder of the ranks' traces and none started, one line."""
+    if launched.made is None:
+        if asked:
+            report.notes.append(f"--trace {asked}: the cell started no ranks, so nothing was "
+                                "written there (a folder is for a launcher's ranks' traces)")
+        return report
+    try:
+        report.ranks = ranks.read_ranks(launched.made)
+        slow = ranks.straggler(report.ranks)
+        report.straggler = slow.rank if slow is not None else None
+        report.ranks_table = ranks.table(report.ranks, launched.expected, launched.made, slow)
+        device = any(r.device_busy is not None for r in report.ranks)
+        report.advice.extend(advise_ranks(report.ranks, slow, device))
+    except Exception as err:  # ours: the launcher's own report is still shown
+        _log.debug("the ranks could not be read", exc_info=True)
+        report.notes.append(f"the ranks' profiles could not be read: {first_sentence(err, True)}")
+    return report
 
 
 def _flops_per_step(got: Read, tracer: LineTracer | None, full_steps: int) -> float | None:

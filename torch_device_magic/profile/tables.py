@@ -51,6 +51,10 @@ class ProfileReport:
     # under the steps window: the counted FLOPs of a recorded step of the windowed loops
     flops_per_step: float | None = None
     claim: peaks.Claim | None = None  # the MFU claimed, or why none (kineto.peaks.claim)
+    # --- the ranks a launcher started in the cell (issue 40) ---
+    ranks: list[Any] = field(default_factory=list)  # ranks.RankRecord, one per rank back
+    straggler: int | None = None  # the rank that the others wait for, if any
+    ranks_table: Table | None = None  # a row per rank, the straggler's line, the folder
 
     @property
     def mfu(self) -> float | None:
@@ -166,6 +170,8 @@ class ProfileReport:
             ))
         if self.timeline is not None:
             out.append(self.timeline)
+        if self.ranks_table is not None:  # the ranks a launcher started (issue 40)
+            out.append(self.ranks_table)
         if self.advice:
             out.append(Table("advice", [], [], [a.text for a in self.advice]))
         return out

@@ -172,6 +172,36 @@ for p in ps:
     assert [p.exitcode for p in ranks_ip.user_ns["ps"]] == [0, 0]
 
 
+def test_ctrl_c_in_the_notebook_stops_the_ranks_profilers_and_they_run_on(
+        ranks_ip, tmp_path, capsys):
+    # Jupyter's Ctrl-C reaches only the kernel: the ranks run on, as without %%profile, but
+    # their profilers stop at their next step and write what they recorded (60 steps of
+    # 100 ms at least: rank 1 sleeps in each, rank 0 waits for it)
+    cell = f"""%%profile --trace {tmp_path}
+import multiprocessing, threading
+ctx = multiprocessing.get_context('fork')
+ps = [ctx.Process(target=ranks_train.train, args=(r, 2, store, 60, 1)) for r in (0, 1)]
+for p in ps:
+    p.start()
+threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+for p in ps:
+    p.join()"""
+    ranks_ip.run_cell("import os, signal")
+    with pytest.raises(KeyboardInterrupt):
+        ranks_ip.run_cell(cell)
+    assert "PARTIAL" in capsys.readouterr().out
+    assert multiprocessing.process.BaseProcess.start.__module__ == "multiprocessing.process"
+    ps = ranks_ip.user_ns["ps"]
+    for p in ps:
+        p.join(60)
+    assert [p.exitcode for p in ps] == [0, 0]  # they ran all their steps
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.tdm-summary") as f:
+            summary = json.load(f)
+        assert 0 < len(summary["step_times"]) < 60  # timed until the cell ended
+        assert os.path.getsize(summary["trace"]) > 0
+
+
 def test_a_cell_that_starts_no_ranks_has_none(ip, tmp_path):
     report = ip.run_cell("%%profile -o\nx = 1 + 1").result
     assert report.ranks == [] and report.straggler is None

@@ -30,6 +30,7 @@ from ..recording import Pieces, Recording, _profiler
 from . import summary
 
 _log = logging.getLogger(__name__)
+CELL_ENDED = ".tdm-cell-ended"  # in the folder: the launching cell has ended (launchers)
 
 
 class Rank:
@@ -77,6 +78,7 @@ class _Run:
         self.recording = Recording(_profiler(self.cuda), [], self.cuda)
         self.marks: list[Any] = []  # the open ProfilerStep range
         self.done = False
+        self.cell_ended = os.path.join(folder, CELL_ENDED)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
@@ -99,13 +101,17 @@ class _Run:
     # --- the steps of the function's outer loops ---------------------------------------
 
     def _global(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if frame.f_code is not self.code:
+        if frame.f_code is not self.code or self.done:
             return None
         header: list[int | None] = [None]  # the loop whose header ran last
         running: list[int | None] = [None]  # the loop whose step runs
         began = [0]
 
         def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if self.done:  # the cell ended while this rank ran on: its steps go untimed
+                if event == "return":
+                    _yield_to_collectives()
+                return local
             now = time.perf_counter_ns()
             line = frame.f_lineno
             if event == "line" and line in self.loops:
@@ -129,6 +135,9 @@ class _Run:
         return local
 
     def _step_begin(self, loop: int) -> None:
+        if os.path.exists(self.cell_ended):  # one stat a step: a few µs
+            self._finish(None)
+            return
         done = self.steps.setdefault(loop, [])
         if not done:
             self.starts[loop] = time.time()

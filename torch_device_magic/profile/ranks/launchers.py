@@ -23,7 +23,7 @@ from typing import Any
 import torch.multiprocessing
 
 from ..capture import Options
-from .child import Rank
+from .child import CELL_ENDED, Rank
 
 
 @dataclass
@@ -39,7 +39,17 @@ class Launches:
     def where(self) -> str:
         if self.made is None:
             self.made = self.folder()
+            with contextlib.suppress(FileNotFoundError):  # an earlier cell's, in --trace DIR
+                os.remove(os.path.join(self.made, CELL_ENDED))
         return self.made
+
+    def ended(self) -> None:
+        """The cell ended (returned, raised, Ctrl-C): ranks still running (in Jupyter the
+        kernel's Ctrl-C reaches only the kernel; a launch not joined) stop their profilers
+        and write what they recorded at their next step, and run on as without us."""
+        if self.made is not None:
+            with contextlib.suppress(OSError), open(os.path.join(self.made, CELL_ENDED), "w"):
+                pass
 
 
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, name, the original): undone in a fork
@@ -118,6 +128,7 @@ def launches(options: Options, folder: Callable[[], str]) -> Iterator[Launches]:
         yield got
     finally:
         _undo()
+        got.ended()
 
 
 class RankFolders:

@@ -238,6 +238,38 @@ def test_torch_elastic_launch_profiles_its_ranks(ranks_ip, tmp_path):
     assert all(r.steps == 8 for r in report.ranks)
 
 
+def test_accelerates_notebook_launcher_profiles_its_ranks(ranks_ip, capsys):
+    pytest.importorskip("accelerate")
+    import socket
+
+    with socket.socket() as free:  # its static rendezvous takes a port: a free one
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    report = ranks_ip.run_cell(
+        "%%profile -o\nfrom accelerate import notebook_launcher\n"
+        f"notebook_launcher(ranks_train.elastic_train, (store, 8), num_processes=2, "
+        f"use_port={port})").result
+    assert "Launching training on 2 CPUs." in capsys.readouterr().out  # accelerate's own
+    assert [r.rank for r in report.ranks] == [0, 1]
+    assert all(r.steps == 8 and r.backend == "gloo" for r in report.ranks)
+
+
+@pytest.mark.cuda
+def test_a_forked_child_uses_cuda_under_profile_as_without(ranks_ip):
+    import torch
+
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is up in this process already: no forked child can use it")
+    cell = """%%profile -o
+import multiprocessing
+p = multiprocessing.get_context('fork').Process(target=ranks_train.cuda_child)
+p.start()
+p.join(60)"""
+    report = ranks_ip.run_cell(cell).result
+    assert ranks_ip.user_ns["p"].exitcode == 0  # the child's CUDA worked
+    assert report.ranks == [] and not torch.cuda.is_initialized()  # no rank; none here
+
+
 def test_the_traces_load_in_hta_as_ranks_0_to_n(ranks_ip, tmp_path):
     if importlib.util.find_spec("hta") is None:
         pytest.skip("HolisticTraceAnalysis is not installed (the hta extra)")

@@ -69,3 +69,9 @@ def elastic_train(store: str, steps: int = 8) -> None:
         model(x).sum().backward()
         opt.step()
     dist.destroy_process_group()
+
+
+def cuda_child() -> None:
+    """A forked child that uses CUDA (no process group): it must work under %%profile where
+    it works without."""
+    assert torch.ones(4, device="cuda").sum().item() == 4

@@ -112,12 +112,7 @@ def pytest_collection_modifyitems(config, items):
 
     Tests on the test device go last: naming it cannot be undone in a process (from
     then on torch.accelerator names it), and the other tests expect no accelerator.
-    Its library is loaded now, before any test runs a backward (see `tdmdev`).
-
-    Tests that fork a launcher's ranks go first: once this process has run multi-threaded
-    CPU ops (other tests' matmuls), a forked child hangs in GNU OpenMP at its first parallel
-    op, or aborts ("Invalid thread pool"), in torch 2.13 with or without %%profile."""
-    items.sort(key=lambda item: "ranks_ip" not in getattr(item, "fixturenames", ()))  # stable
+    Its library is loaded now, before any test runs a backward (see `tdmdev`)."""
     on_tdmdev = [item for item in items if "tdmdev" in getattr(item, "fixturenames", ())]
     if on_tdmdev:
         items.sort(key=lambda item: "tdmdev" in getattr(item, "fixturenames", ()))  # stable

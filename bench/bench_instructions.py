@@ -53,9 +53,16 @@ VALGRIND = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
             "--cachegrind-out-file=/dev/null"]
 
 
-def child(where: str, package: str, cells: int, walk: bool, timed: bool) -> None:
-    """In the counted process: the shell, `package` loaded from `where` (none: bare), the
-    warm-up, then `cells` cells; one line of JSON on stdout, and out without finalising."""
+def child(where: str, package: str, cells: int, walk: bool, timed: bool, layout: int) -> None:
+    """In the counted process: the layout, the shell, `package` loaded from `where` (none:
+    bare), the warm-up, then `cells` cells; one line of JSON on stdout, and out without
+    finalising."""
+    # Layout n: n*37 classes take the first type version tags and n*7 pages the first heap
+    # (PYTHONHASHSEED=n is set by the caller); what follows is laid out differently.
+    shift = [type(f"Layout{i}", (), {}) for i in range(layout * 37)]
+    for kind in shift:
+        getattr(kind, "tag", None)
+    padding = bytearray(layout * 7 * 4096)
     sys.path.insert(0, where)
     from bench_report import CELL, quiet, shell
 
@@ -80,20 +87,27 @@ def child(where: str, package: str, cells: int, walk: bool, timed: bool) -> None
     if package and walk:
         heap = reporter._meter._heap
         chunks = None if heap is None else heap._chunks
-    print(json.dumps({"chunks": chunks, "cpu_us": cpu_us if timed else None}), flush=True)
+    print(json.dumps({"chunks": chunks, "cpu_us": cpu_us if timed else None,
+                      "shift": len(shift) + len(padding)}), flush=True)
     os._exit(0)
 
 
-def command(where: str, package: str, cells: int, walk: bool) -> list[str]:
-    return [sys.executable, __file__, "--child", where, package, str(cells)] + (
+def command(where: str, package: str, cells: int, walk: bool, layout: int) -> list[str]:
+    return [sys.executable, __file__, "--child", where, package, str(cells), str(layout)] + (
         ["--walk"] if walk else [])
 
 
-def counted(where: str, package: str, cells: int, walk: bool) -> tuple[float, int | None]:
-    """Instructions per cell of one tree, from two processes run side by side, and the
-    chunks its last free-heap walk went through (None: not walked)."""
-    env = {**os.environ, **ENV}
-    runs = [subprocess.Popen(VALGRIND + command(where, package, n, walk), env=env,
+def environment(layout: int) -> dict[str, str]:
+    return {**os.environ, **ENV, "PYTHONHASHSEED": str(layout)}
+
+
+def counted(
+    where: str, package: str, cells: int, walk: bool, layout: int
+) -> tuple[float, int | None]:
+    """Instructions per cell of one tree in one layout, from two processes run side by
+    side, and the chunks its last free-heap walk went through (None: not walked)."""
+    env = environment(layout)
+    runs = [subprocess.Popen(VALGRIND + command(where, package, n, walk, layout), env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for n in (0, cells)]
     refs, last = [], None
@@ -110,20 +124,21 @@ def counted(where: str, package: str, cells: int, walk: bool) -> tuple[float, in
 
 def native_cpu_us(cells: int) -> float:
     """CPU µs per cell of bare IPython's `x = 1`, natively (no valgrind), one process."""
-    out = subprocess.run([*command(str(ROOT), "", cells, False), "--timed"], check=True,
-                         env={**os.environ, **ENV}, capture_output=True, text=True).stdout
+    out = subprocess.run([*command(str(ROOT), "", cells, False, 0), "--timed"], check=True,
+                         env=environment(0), capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["cpu_us"]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        where, package, cells = sys.argv[2], sys.argv[3], int(sys.argv[4])
-        child(where, package, cells, "--walk" in sys.argv, "--timed" in sys.argv)
+        where, package, cells, layout = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+        child(where, package, cells, "--walk" in sys.argv, "--timed" in sys.argv, layout)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="REV", action="append", default=[],
                         help="also a copy of this commit's package (repeatable)")
     parser.add_argument("--cells", type=int, default=1000, help="counted cells (default 1000)")
-    parser.add_argument("--repeats", type=int, default=2, help="processes per tree (default 2)")
+    parser.add_argument("--layouts", type=int, default=3,
+                        help="process layouts, a pair of processes each, per tree (default 3)")
     parser.add_argument("--walk", action="store_true",
                         help="keep the free-heap walk on (its chunk counts printed)")
     args = parser.parse_args()
@@ -142,33 +157,37 @@ def main() -> None:
 
     found: dict[str, list[float]] = {tree: [] for tree in trees}
     chunks: dict[str, list[int | None]] = {tree: [] for tree in trees}
-    for _ in range(args.repeats):
+    for layout in range(args.layouts):
         for tree, (where, package) in trees.items():
-            per_cell, walked = counted(where, package, args.cells, args.walk)
+            per_cell, walked = counted(where, package, args.cells, args.walk, layout)
             found[tree].append(per_cell)
             chunks[tree].append(walked)
-    pace = [native_cpu_us(args.cells) for _ in range(args.repeats)]
-    bare_ir = statistics.median(found["bare"])
+    pace = [native_cpu_us(args.cells) for _ in range(3)]
+    bare_ir = statistics.mean(found["bare"])
     per_us = bare_ir / statistics.median(pace)
 
     print(f"instructions per `{CELL}` cell: {args.cells} cells after {WARMUP} of warm-up, "
-          f"{args.repeats} process pairs a tree; gc frozen and off in the counted cells; "
-          f"the free-heap walk {'on' if args.walk else 'off in every tree'}; one BLAS thread")
-    print(f"{'tree':<22} {'median':>11} {'over bare':>11}  each repeat"
+          f"{args.layouts} layouts a tree (a pair of processes each); gc frozen and off in "
+          f"the counted cells; the free-heap walk {'on' if args.walk else 'off in every tree'}; "
+          "one BLAS thread")
+    print(f"{'tree':<22} {'mean':>9} {'over bare':>10} {'spread':>7}  each layout"
           + ("  (free chunks walked)" if args.walk else ""))
     for tree, counts in found.items():
-        median = statistics.median(counts)
+        mean = statistics.mean(counts)
         each = " / ".join(f"{c:,.0f}" for c in counts)
         walked = f"  ({', '.join(map(str, chunks[tree]))})" if args.walk and tree != "bare" else ""
-        print(f"{tree:<22} {median:>11,.0f} {median - bare_ir:>+11,.0f}  {each}{walked}")
-    print(f"bare IPython natively: {statistics.median(pace):.1f} CPU µs a cell "
-          f"({' / '.join(f'{p:.1f}' for p in pace)}): {per_us:,.0f} instructions a µs")
-    ours = statistics.median(found["this checkout"])
+        print(f"{tree:<22} {mean:>9,.0f} {mean - bare_ir:>+10,.0f} "
+              f"{max(counts) - min(counts):>7,.0f}  {each}{walked}")
+    print(f"bare IPython natively: {statistics.median(pace):.1f} CPU µs a cell (median of "
+          f"{' / '.join(f'{p:.1f}' for p in pace)}): {per_us:,.0f} instructions a µs")
+    ours = found["this checkout"]
     for tree in trees:
         if tree.startswith("at "):
-            diff = ours - statistics.median(found[tree])
-            print(f"this checkout - {tree}: {diff:+,.0f} instructions a cell "
-                  f"(about {diff / per_us:+.2f} µs at bare IPython's pace)")
+            paired = [a - b for a, b in zip(ours, found[tree])]
+            diff = statistics.mean(paired)
+            print(f"this checkout - {tree}: {diff:+,.0f} instructions a cell (about "
+                  f"{diff / per_us:+.2f} µs at bare IPython's pace); layout by layout "
+                  + " / ".join(f"{d:+,.0f}" for d in paired))
     if dirty:
         print("(the checkout has uncommitted changes in the package: the HEAD copy is "
               "not the same code)")

@@ -1,7 +1,7 @@
 """Instructions per `x = 1` cell under valgrind: bare IPython, a commit's report, this checkout's.
 
-    python bench/bench_instructions.py --against 0f75a5d            # about ten minutes
-    python bench/bench_instructions.py --against 0f75a5d --repeats 3 --cells 2000
+    python bench/bench_instructions.py --against 0f75a5d            # about 15 minutes
+    python bench/bench_instructions.py --against 0f75a5d --layouts 5 --cells 2000
     python bench/bench_instructions.py --against 0f75a5d --walk     # the free-heap walk on
 
 Wall time on a busy 2-core VM does not resolve a few µs a cell; the instructions a cell
@@ -12,21 +12,35 @@ warm-up and `--cells` more cells; the difference of their instruction counts ove
 each `--against` commit's package (`git archive`, as `bench_report.py --against` makes
 it), a copy of this checkout's HEAD, and this checkout itself; the HEAD copy against the
 checkout is the comparison's own noise (another name and place, the same code where
-the checkout is clean), as is the spread over `--repeats`.
+the checkout is clean).
 
 What would make the count follow the process's history rather than the code is pinned
-alike in every tree: hash seed 0 and one BLAS/OpenMP thread; after the warm-up
-`gc.collect()`, `gc.freeze()` and the collector off during the counted cells (what a
-tree allocates still counts, its collections do not); both processes leave by
-`os._exit`, so no finalisation is counted; and the free-heap walk (measure.py's
-`FreeHeap`, whose cost follows malloc's free-chunk count, a fact of the process's past)
-is switched off in every tree (`Meter._heap = None`) unless `--walk`, which keeps it and
-prints how many chunks each tree's last walk went through. The live line stays as it
-ships (on, its thread waking about once a delay).
+alike in every tree: one BLAS/OpenMP thread; after the warm-up `gc.collect()`,
+`gc.freeze()` and the collector off during the counted cells (what a tree allocates
+still counts, its collections do not); both processes leave by `os._exit`, so no
+finalisation is counted; and the free-heap walk (measure.py's `FreeHeap`, whose cost
+follows malloc's free-chunk count, a fact of the process's past) is switched off in
+every tree (`Meter._heap = None`) unless `--walk`, which keeps it and prints how many
+chunks each tree's last walk went through. The live line stays as it ships (on, its
+thread waking about once a delay).
+
+What cannot be pinned is the layout: CPython's type attribute cache (4,096 entries,
+indexed by a type's version tag and the name's address) misses where two lookups
+collide, and each miss walks the class's MRO dicts; which lookups collide follows the
+order types were first looked up and where strings were allocated, so any change of
+code moves it (bare IPython reads 13,000 instructions a cell apart from one layout to
+the next, a copy of the same code 5,000). So each tree runs in `--layouts` layouts,
+the same in every tree: layout n sets PYTHONHASHSEED=n, and before anything else makes
+n*37 classes that take the first version tags and allocates n*7 pages. The figure is
+the mean over layouts; the difference between two trees is the mean of their
+layout-by-layout differences, which are printed: their spread is the comparison's
+noise. Under valgrind a cell runs some
+50 times slower, so the children check that the Meter skips after a cell quicker than
+100 µs runs after every cell, in every tree alike.
 
 The estimate in µs divides the instructions by bare IPython's pace on this machine:
 its instructions per cell over the CPU time per cell of the same cells run natively
-(`time.thread_time`, the median of `--repeats` processes).
+(`time.thread_time`, the fastest of three processes: the least slowed by other load).
 """
 
 from __future__ import annotations
@@ -164,7 +178,7 @@ def main() -> None:
             chunks[tree].append(walked)
     pace = [native_cpu_us(args.cells) for _ in range(3)]
     bare_ir = statistics.mean(found["bare"])
-    per_us = bare_ir / statistics.median(pace)
+    per_us = bare_ir / min(pace)
 
     print(f"instructions per `{CELL}` cell: {args.cells} cells after {WARMUP} of warm-up, "
           f"{args.layouts} layouts a tree (a pair of processes each); gc frozen and off in "
@@ -178,7 +192,7 @@ def main() -> None:
         walked = f"  ({', '.join(map(str, chunks[tree]))})" if args.walk and tree != "bare" else ""
         print(f"{tree:<22} {mean:>9,.0f} {mean - bare_ir:>+10,.0f} "
               f"{max(counts) - min(counts):>7,.0f}  {each}{walked}")
-    print(f"bare IPython natively: {statistics.median(pace):.1f} CPU µs a cell (median of "
+    print(f"bare IPython natively: {min(pace):.1f} CPU µs a cell (the fastest of "
           f"{' / '.join(f'{p:.1f}' for p in pace)}): {per_us:,.0f} instructions a µs")
     ours = found["this checkout"]
     for tree in trees:

@@ -105,7 +105,6 @@ class CellReporter:
         # The live line under a long cell (live/): replaced by the report at the end.
         self.live = LiveLine(lambda: self._line_open, self._host_start_bytes)
         self._live_ended: Ended | None = None
-        self._interrupted = False  # the outermost cell ended with Ctrl-C: its line says so
 
     @property
     def registered(self) -> bool:
@@ -302,7 +301,7 @@ class CellReporter:
                 self._watch_stdout()
             assert self._meter is not None  # registered only with a meter
             self._meter.start()
-            self.live.start(self._shell, self._printing)
+            self.live.start(self._shell, self._printing, self._meter.started_s)
         except Exception as err:
             _log.debug("starting the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
@@ -312,8 +311,61 @@ class CellReporter:
         return getattr(getattr(self._meter, "host", None), "start_bytes", None)
 
     def post_run_cell(self, result: Any) -> None:
-        try:
-            self._post_run_cell(result)
+        try:  # one frame a cell; the live display the report did not replace is emptied
+            # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
+            info = getattr(result, "info", None)
+            cells = self._open
+            if info is None:  # IPython failed before it made a result: the innermost cell ended
+                at = len(cells) - 1 if cells else None
+            elif cells and cells[-1] is info:  # the usual case: the innermost cell ended
+                at = len(cells) - 1
+            else:
+                at = next((n for n, opened in enumerate(cells) if opened is info), None)
+            if at is not None:
+                del cells[at:]  # and any inner cell left open
+            outermost = at == 0
+            loading = self._loading
+            if loading is not None:
+                self._loading = None
+            if self._watch_cuda and not cells and info is not None:
+                self._note_cuda(result)  # before the hint, which names that cell
+            measured = None
+            if outermost:
+                try:  # before the report: no tick after it, the line erased
+                    self._live_ended = self.live.stop()
+                except Exception:
+                    _log.debug("stopping the live line failed", exc_info=True)
+                self._unwatch_stdout()
+                try:
+                    if self._fault is None and self._meter is not None:
+                        measured = self._meter.stop()
+                except KeyboardInterrupt:  # Ctrl-C while waiting for the device
+                    self._fault = ("torch_device_magic: interrupted at the end of the cell; "
+                                   "not measured")
+                except Exception as err:
+                    _log.debug("stopping the measurement failed", exc_info=True)
+                    self._fault = f"torch_device_magic could not measure: {_describe(err)}"
+            if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
+                self._show_hint(self._hint, result)
+                if self._meter is not None:  # what the hint freed (an OOM's frames) is no cell's
+                    self._meter.forget_stop()
+            if loading is not None and at is None and not cells and info is not None:
+                self._report_loading(loading, result)
+            if not outermost or info is None or result.error_before_exec is not None:
+                return  # a cell that never ran (a SyntaxError) has nothing to report
+            try:
+                if measured is not None:
+                    if self.advise is not None and self._adopted is None:
+                        measured.notes = self.advise(measured, result)
+                    if self._live_ended is not None and self._live_ended.dropped:
+                        measured.notes = (*measured.notes, *self._live_ended.dropped)
+                    self._record(measured, result.execution_count,
+                                 isinstance(result.error_in_exec, KeyboardInterrupt))
+            except Exception as err:
+                _log.debug("recording the measurement failed", exc_info=True)
+                self._fault = f"torch_device_magic could not measure: {_describe(err)}"
+            if self._fault is not None:
+                self._publish({"text/plain": self._fault})
         finally:
             if self._live_ended is not None:
                 self._end_live(self._live_ended)
@@ -327,58 +379,6 @@ class CellReporter:
             publish(self._shell.display_pub, {"text/plain": ""}, ended.display.display_id)
         except Exception:
             _log.debug("the live line could not be emptied", exc_info=True)
-
-    def _post_run_cell(self, result: Any) -> None:
-        # Not paired: a blank cell, the cell that loaded us, or no report (hints only).
-        info = getattr(result, "info", None)
-        cells = self._open
-        if info is None:  # IPython failed before it made a result: the innermost cell ended
-            at = len(cells) - 1 if cells else None
-        elif cells and cells[-1] is info:  # the usual case: the innermost cell ended
-            at = len(cells) - 1
-        else:
-            at = next((n for n, opened in enumerate(cells) if opened is info), None)
-        if at is not None:
-            del cells[at:]  # and any inner cell left open
-        outermost = at == 0
-        loading = self._loading
-        if loading is not None:
-            self._loading = None
-        if self._watch_cuda and not cells and info is not None:
-            self._note_cuda(result)  # before the hint, which names that cell
-        measured = None
-        if outermost:
-            self._stop_live()  # before the report: no tick after it, the line erased
-            self._unwatch_stdout()
-            try:
-                if self._fault is None and self._meter is not None:
-                    measured = self._meter.stop()
-            except KeyboardInterrupt:  # Ctrl-C while waiting for the device
-                self._fault = "torch_device_magic: interrupted at the end of the cell; not measured"
-            except Exception as err:
-                _log.debug("stopping the measurement failed", exc_info=True)
-                self._fault = f"torch_device_magic could not measure: {_describe(err)}"
-        if self._hint is not None and getattr(result, "error_in_exec", None) is not None:
-            self._show_hint(self._hint, result)
-            if self._meter is not None:  # what the hint freed (an OOM's frames) is no cell's
-                self._meter.forget_stop()
-        if loading is not None and at is None and not cells and info is not None:
-            self._report_loading(loading, result)
-        if not outermost or info is None or result.error_before_exec is not None:
-            return  # a cell that never ran (a SyntaxError) has nothing to report
-        try:
-            if measured is not None:
-                self._interrupted = isinstance(result.error_in_exec, KeyboardInterrupt)
-                if self.advise is not None and self._adopted is None:
-                    measured.notes = self.advise(measured, result)
-                if self._live_ended is not None and self._live_ended.dropped:
-                    measured.notes = (*measured.notes, *self._live_ended.dropped)
-                self._record(measured, result.execution_count)
-        except Exception as err:
-            _log.debug("recording the measurement failed", exc_info=True)
-            self._fault = f"torch_device_magic could not measure: {_describe(err)}"
-        if self._fault is not None:
-            self._publish({"text/plain": self._fault})
 
     def _note_cuda(self, result: Any) -> None:
         """Note the cell after which CUDA is up: one cheap question a cell until then
@@ -418,9 +418,10 @@ class CellReporter:
         if text:
             print(text)
 
-    def _record(self, measured: Measurement, cell: int | None) -> None:
+    def _record(self, measured: Measurement, cell: int | None, interrupted: bool = False) -> None:
+        """Keep the cell's record and show its line; `interrupted`: the cell ended with
+        Ctrl-C, and its line says so."""
         adopted, self._adopted = self._adopted, None
-        interrupted, self._interrupted = self._interrupted, False
         record = adopted or measured
         record.cell = cell
         self.history.append(record)
@@ -451,12 +452,6 @@ class CellReporter:
             publish(self._shell.display_pub, bundle, ended.display.display_id)
         else:
             publish(self._shell.display_pub, bundle)
-
-    def _stop_live(self) -> None:
-        try:
-            self._live_ended = self.live.stop()
-        except Exception:
-            _log.debug("stopping the live line failed", exc_info=True)
 
     def shows(self, record: Measurement) -> bool:
         """Whether `record` reaches a set threshold (every record does when none is set)."""

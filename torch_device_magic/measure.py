@@ -258,7 +258,7 @@ class Meter:
         # window restarts at the stop, which would wipe the peak of a Meter around this one.
         self.carry = carry
         self._carried: tuple[Any, list[Accelerator], dict[str, Counters]] | None = None
-        self._t0 = clock()
+        self.started_s = clock()  # the clock at the last start (the live line's too)
         read = malloc_free_reader() if host is None else None
         self._heap = None if read is None else FreeHeap(read)
         # The host probe's CPU time at the last stop, and the thread that read it.
@@ -288,7 +288,7 @@ class Meter:
         # The device's window lies inside the wall clock's by construction: its start
         # events are recorded after the clock starts, and its end events before the
         # clock stops (after the synchronise that waits for them).
-        self._t0 = clock()
+        self.started_s = clock()
         # Without the synchronise no end event is done at the stop: none is recorded.
         self._starts = [(a, a.record_event()) for a in watched
                         if self.sync and a.has_context()] if watched else _NO_DEVICES
@@ -305,7 +305,7 @@ class Meter:
                 if start is not None} if self.sync and self._starts else _NONE
         main = active_accelerator(self._device, self._kinds)
         if main is None:  # the CPU-only path: the host's figures alone
-            wall_s = clock() - self._t0
+            wall_s = clock() - self.started_s
             host_delta, host_peak = self.host.stop()
             host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
             return self._workers(Measurement(wall_s, None, None, None, None, host_delta, host_peak))
@@ -315,7 +315,7 @@ class Meter:
             for accel in watched:  # a device with a context: waiting on it creates none
                 if accel.has_context():
                     error = accel.synchronize() or error
-        wall_s = clock() - self._t0
+        wall_s = clock() - self.started_s
         host_delta, host_peak = self.host.stop()
         host_delta, host_peak = self._credit(host_delta, host_peak, wall_s)
         after = {a.name: a.counters() for a in watched}

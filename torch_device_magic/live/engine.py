@@ -1,8 +1,8 @@
 """`LiveLine`: the live line of the per-cell report, cell by cell.
 
-`start` (in `pre_run_cell`) keeps the cell's start, its parent message on a kernel and
-the main thread in attributes, and tells the session's one sampler (no lock, no
-allocation but the clock's reading); nothing else happens before the delay. The first
+`start` (in `pre_run_cell`) keeps the cell's start (the report's own reading of the
+clock), its parent message on a kernel and the main thread in attributes, and tells the
+session's one sampler (no lock, no allocation); nothing else happens before the delay. The first
 tick reads the CPU time from then on (cores busy is said from the second tick) and
 chooses where to draw: a display on an ipykernel, a status line where the report
 prints and stdout is a terminal, nowhere otherwise. `stop` (in
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernel_publish import parent_of
-from ..probes import clock
 from . import spark
 from .kernel import KernelDisplay
 from .reads import Reader
@@ -85,15 +84,16 @@ class LiveLine:
     def thread_alive(self) -> bool:
         return self._sampler.alive
 
-    def start(self, shell: Any, printing: bool) -> None:
-        """A cell starts: on a kernel or where the report prints (a terminal, maybe)."""
+    def start(self, shell: Any, printing: bool, started: float) -> None:
+        """A cell starts at `started` on the clock (the report's own start): on a kernel
+        or where the report prints (a terminal, maybe)."""
         self.label = DEFAULT_LABEL
         if not self.delay_s:
             return
         parent = None if printing else parent_of(shell.display_pub)
         if not printing and parent is None:
             return  # neither a kernel whose IOPub we can queue on nor a terminal
-        self._started = started = clock()
+        self._started = started
         self._printing, self._shell, self._parent = printing, shell, parent
         self._main_thread = threading.get_ident()
         self._running = True

@@ -12,7 +12,13 @@ from typing import Any
 
 from ..units import fmt_bytes, fmt_seconds
 from .profile_rules import Advice
-from .thresholds import COLLECTIVE_SHARE, UNEVEN_PEAK_BYTES, UNEVEN_PEAK_RATIO
+from .thresholds import (
+    COLLECTIVE_SHARE,
+    STRAGGLER_LATE_S,
+    STRAGGLER_RATIO,
+    UNEVEN_PEAK_BYTES,
+    UNEVEN_PEAK_RATIO,
+)
 
 
 def advise_ranks(ranks: Sequence[Any], slow: Any | None, device: bool) -> list[Advice]:
@@ -45,7 +51,7 @@ def collectives(ranks: Sequence[Any]) -> Advice | None:
 def straggler(ranks: Sequence[Any], slow: Any) -> Advice:
     """One rank the others wait for: what only it does."""
     if slow.late:
-        return Advice("straggler", slow.lag_s, 0.0, None, (
+        return Advice("straggler", slow.lag_s, STRAGGLER_LATE_S, None, (
             f"rank {slow.rank} starts its steps {fmt_seconds(slow.lag_s)} after the other "
             "ranks, who wait for it at their first collective: its set-up before the loop "
             "(loading its data or shard, building its model, starting its device)"))
@@ -55,9 +61,10 @@ def straggler(ranks: Sequence[Any], slow: Any) -> Advice:
         others = statistics.median(v for k, v in busy.items() if k != slow.rank)
         device = (f"; its device was busy {busy[slow.rank]:.0%} of its steps against the "
                   f"others' {others:.0%}")
-    return Advice("straggler", slow.own_s / max(slow.others_s, 1e-9), 0.0, None, (
+    ratio = slow.own_s / max(slow.others_s, 1e-9)
+    return Advice("straggler", ratio, STRAGGLER_RATIO, None, (
         f"rank {slow.rank}'s own work in a step ({fmt_seconds(slow.own_s)}) is "
-        f"{slow.own_s / max(slow.others_s, 1e-9):.1f}x the other ranks' "
+        f"{ratio:.1f}x the other ranks' "
         f"({fmt_seconds(slow.others_s)}), and they wait for it in every collective{device}: "
         "look at what only it does: its data (a larger shard, a slower DataLoader or disk), "
         "its device (another model, throttled, shared with another process)"))

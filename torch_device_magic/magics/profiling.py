@@ -112,6 +112,16 @@ class TorchDeviceProfileMagics(MagicsGroup):
         torch.profiler records. A torch.profiler the cell itself starts works
         as it would without %%profile: torch records one profile at a time, so
         the cell then gets no profile, said in one line.
+
+        A cell that starts ranks (torch.multiprocessing's start_processes or
+        spawn, torch elastic's launch and accelerate's notebook_launcher through
+        it, a multiprocessing.Process that forms a process group) profiles each
+        rank's function, its outer loop's steps windowed as the cell's: one
+        trace per rank in `--trace DIR` (a folder) or a temporary folder, then a
+        row per rank (steps, median and slowest step, collectives' share, peak
+        memory), the straggler or "the ranks are even", and advice on them.
+        Ranks forked after this process ran multi-threaded CPU ops hang in
+        torch's OpenMP, with or without %%profile: use start_method='spawn'.
         """
         __tracebackhide__ = True
         cell = cell_form("profile", "the code to profile", cell)

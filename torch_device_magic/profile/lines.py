@@ -313,14 +313,20 @@ def outer_loops(source: str) -> dict[int, range]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return {}
+    return loops_in(tree)
+
+
+def loops_in(node: ast.AST, offset: int = 0) -> dict[int, range]:
+    """The outer loops under `node` (not inside another loop or a nested function), each
+    header's line and its body's lines, `offset` added (a function's source parsed alone)."""
     found: dict[int, range] = {}
-    todo: list[ast.AST] = [tree]
+    todo: list[ast.AST] = [node]
     while todo:
-        node = todo.pop()
-        for child in ast.iter_child_nodes(node):
+        for child in ast.iter_child_nodes(todo.pop()):
             if isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
-                found[child.lineno] = range(child.body[0].lineno,
-                                            (child.body[-1].end_lineno or child.lineno) + 1)
+                found[child.lineno + offset] = range(
+                    child.body[0].lineno + offset,
+                    (child.body[-1].end_lineno or child.lineno) + offset + 1)
             elif isinstance(child, ast.stmt) and not isinstance(
                     child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 todo.append(child)

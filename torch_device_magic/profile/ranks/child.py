@@ -26,6 +26,7 @@ import torch
 
 from ...probes import rss_and_high_water, runtime_up
 from ..capture import Options
+from ..lines import loops_in
 from ..recording import Pieces, Recording, _profiler
 from . import summary
 
@@ -229,19 +230,7 @@ def _outer_loops(fn: Callable[..., Any]) -> dict[int, range]:
     """The function's outer loops (not inside another loop or a nested function), by the
     file's line numbers: each header's line and its body's lines."""
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
-        node = ast.parse(source).body[0]
-        first = fn.__code__.co_firstlineno - 1
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        return loops_in(node, fn.__code__.co_firstlineno - 1)
     except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
         return {}
-    found: dict[int, range] = {}
-    todo: list[ast.AST] = [node]
-    while todo:
-        for child in ast.iter_child_nodes(todo.pop()):
-            if isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
-                found[child.lineno + first] = range(
-                    child.body[0].lineno + first, (child.body[-1].end_lineno or 0) + first + 1)
-            elif isinstance(child, ast.stmt) and not isinstance(
-                    child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                todo.append(child)
-    return found

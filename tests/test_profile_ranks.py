@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -93,6 +94,11 @@ def test_a_rank_made_slow_is_named_and_each_rank_has_a_stamped_trace(fresh, tmp_
     assert [a["rule"] for a in report["advice"]] == ["straggler"]
     assert report["advice"][0]["text"].startswith("rank 1's own work in a step (")
     assert "x the other ranks' (" in report["advice"][0]["text"]
+    # against the sleep itself: rank 1's own work 100 ms a step or more, and every step of
+    # both ranks as long (rank 0 waits for it in the all_reduce)
+    slow = report["ranks"][1]
+    assert 0.1 <= statistics.median(slow["own_times"][1:]) < 0.5
+    assert all(t >= 0.1 for r in report["ranks"] for t in r["step_times"][1:])
     for r in report["ranks"]:
         assert r["steps"] == 12 and len(r["step_times"]) == 12 and r["recorded_steps"] == 6
         assert 0 < r["collective_share"] < 1

@@ -94,11 +94,12 @@ def test_a_rank_made_slow_is_named_and_each_rank_has_a_stamped_trace(fresh, tmp_
     assert [a["rule"] for a in report["advice"]] == ["straggler"]
     assert report["advice"][0]["text"].startswith("rank 1's own work in a step (")
     assert "x the other ranks' (" in report["advice"][0]["text"]
-    # against the sleep itself: rank 1's own work 100 ms a step or more, and every step of
-    # both ranks as long (rank 0 waits for it in the all_reduce)
+    # against the sleep itself: rank 1's own work 100 ms a step or more, and both ranks'
+    # steps 100 ms apart in all (rank 0 waits for it in the all_reduce; where one step's
+    # boundary falls within the wait varies, so their sum, less a step for the phase)
     slow = report["ranks"][1]
     assert 0.1 <= statistics.median(slow["own_times"][1:]) < 0.5
-    assert all(t >= 0.1 for r in report["ranks"] for t in r["step_times"][1:])
+    assert all(sum(r["step_times"][1:]) >= 0.1 * 10 for r in report["ranks"])
     for r in report["ranks"]:
         assert r["steps"] == 12 and len(r["step_times"]) == 12 and r["recorded_steps"] == 6
         assert 0 < r["collective_share"] < 1

@@ -15,6 +15,7 @@ from torch_device_magic.cells import (
     cell_number,
     compiled,
     ends_with_semicolon,
+    names_bound,
     names_changed,
 )
 from torch_device_magic.errors import DeviceMagicError
@@ -29,6 +30,9 @@ from torch_device_magic.errors import DeviceMagicError
     ("g = lambda x, *, w=w0: x + w", {"w0"}),
     ("ys = [x for x in data]\nzs = {k: v for k, v in pairs}\ns = sum(t for t in ts)",
      {"data", "pairs", "sum", "ts"}),
+    # (3.12 inlines comprehensions, PEP 709: its symtable puts their variables at the top)
+    ("[y for x in xs for y in x if y]\nprint(x)", {"xs", "print", "x"}),
+    ("[x for x in x]\n[(n := v) for v in vs]\nm = [k for k in ks]", {"x", "vs", "ks"}),
     ("def step():\n    x = torch.ones(2)\n    return x", {"torch"}),
     # a function that reads a global reads it; so does one that declares it global
     ("def train():\n    loss = model(batch).sum()\n    return loss", {"model", "batch"}),
@@ -134,6 +138,15 @@ def test_compiled_refuses_a_syntax_error_before_anything_runs(shell, capsys):
     with pytest.raises(DeviceMagicError, match="the cell did not run: it has the syntax error"):
         compiled(shell, "ran = True\nx +")
     assert "SyntaxError" in capsys.readouterr().out and "ran" not in shell.user_ns
+
+
+@pytest.mark.parametrize("source, bound", [
+    ("ys = [x for x in data]\nimport os\n[os for os in ()]", {"ys", "os"}),
+    ("def x(): pass\n{x: 1 for x in ()}", {"x"}),
+    ("z = sum(t for t in ts)\nfor i in r: pass", {"z", "i"}),
+])
+def test_names_bound_are_the_top_levels_not_a_comprehensions(source, bound):
+    assert names_bound(source) == bound
 
 
 @pytest.mark.parametrize("source, changed", [

@@ -252,17 +252,19 @@ def cell_names(source: str) -> set[str]:
         return set()  # the cell runner reports it
     # symtable takes `x += 1` for a store only, but it reads x.
     top, inner = _augmented(tree)
-    return top | _global_reads(table, inner, top=True)
+    return top | _global_reads(table, inner, top=True, own=_comprehensions_own(tree))
 
 
 def names_bound(source: str) -> set[str]:
     """The global names `source`'s top level binds (assigns, imports, defines, deletes);
     none where it does not parse."""
     try:
+        tree = ast.parse(source)
         table = symtable.symtable(source, "<cell>", "exec")
     except (SyntaxError, ValueError):
         return set()
-    return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    return {s.get_name() for s in table.get_symbols()
+            if s.is_assigned() or s.is_imported()} - _comprehensions_own(tree)
 
 
 def names_changed(source: str, names: Collection[str], modules: Collection[str] = ()) -> set[str]:
@@ -334,13 +336,57 @@ def _augmented(tree: ast.Module) -> tuple[set[str], set[str]]:
     return top, inner
 
 
-def _global_reads(table: symtable.SymbolTable, augmented: set[str], top: bool) -> set[str]:
-    # At the top every name read is the namespace's; inside a function, lambda, class or
-    # comprehension only those not bound there (nor in an enclosing function) are, and
-    # a name declared `global` there that `+=` updates.
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _comprehensions_own(tree: ast.AST) -> set[str]:
+    """The names that the top level of `tree` uses only as a comprehension's own variables
+    (`x` in `[x for x in data]`). Python 3.12's symtable puts an inlined comprehension's
+    names (PEP 709) in the scope around it; other Pythons give it a scope of its own."""
+    own: set[str] = set()
+    other: set[str] = set()  # bound or read at the top level itself
+    todo: list[tuple[ast.AST, frozenset[str]]] = [(tree, frozenset())]
+    while todo:
+        node, bound = todo.pop()
+        if isinstance(node, ast.Name):
+            (own if node.id in bound else other).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            other.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            other.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            other.update(node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            other.add(node.name)
+        if isinstance(node, _COMPREHENSIONS):  # its first iterable is read around it
+            first, *_ = node.generators
+            todo.append((first.iter, bound))
+            inner = bound | {n.id for g in node.generators for n in ast.walk(g.target)
+                             if isinstance(n, ast.Name)}
+            todo += [(child, inner) for child in ast.iter_child_nodes(node)
+                     if child is not first]
+            todo += [(child, inner) for child in ast.iter_child_nodes(first)
+                     if child is not first.iter]
+            continue
+        for field, value in ast.iter_fields(node):
+            if field == "body" and isinstance(node, _SCOPES):
+                continue  # a scope of its own in every Python: the table's child
+            for child in value if isinstance(value, list) else [value]:
+                if isinstance(child, ast.AST):
+                    todo.append((child, bound))
+    return own - other
+
+
+def _global_reads(table: symtable.SymbolTable, augmented: set[str], top: bool,
+                  own: Collection[str] = ()) -> set[str]:
+    # At the top every name read is the namespace's (but the comprehensions' `own`, which
+    # 3.12's table puts there); inside a function, lambda, class or comprehension only
+    # those not bound there (nor in an enclosing function) are, and a name declared
+    # `global` there that `+=` updates.
     names = {
         s.get_name() for s in table.get_symbols()
-        if (s.is_referenced() and (top or s.is_global()))
+        if (s.is_referenced() and (top or s.is_global()) and s.get_name() not in own)
         or (s.is_declared_global() and s.get_name() in augmented)
     }
     for child in table.get_children():

@@ -10,10 +10,11 @@ the advice and the report come after it (`compose`).
     line  hits    wall  torch CPU  allocated  code
     ...
 
-Attribution. While the profiler records, a line tracer (`sys.settrace`, its
-local function installed only in frames of the cell's own code and of the
-functions `-f` names) opens a `record_function` range for each line as it
-starts and closes it when the next line starts or the frame returns. The
+Attribution. While the profiler records, a line tracer (`line_events`:
+`sys.monitoring` on Python 3.12+, `sys.settrace` before; it hears only frames of
+the cell's own code and of the functions `-f` names) opens a `record_function`
+range for each line as it starts and closes it when the next line starts or the
+frame returns. The
 ranges nest as the frames do, so the innermost range open at any moment is the
 innermost line of the cell running then; an event (an op, an allocation,
 backward work on another thread, with `--threads` an op of a thread the cell
@@ -24,7 +25,8 @@ the overview says their ops are missing. The ranges
 are in the trace too, named by their line. A traced line costs about a µs
 past the steps window, where no range is opened (docs/profile.md, "How lines are
 timed over every step"; `bench/bench_profile_shapes.py` measures it); frames of
-other code pay one call of the tracer each.
+other code pay one call of the tracer each under `sys.settrace`, and under
+`sys.monitoring` one per place in their code, the first time it runs.
 
 A long loop. Where the cell has loops at its top level, the tracer counts each
 loop's steps, each time it is entered, and pauses the profiler (its session stopped

@@ -21,6 +21,7 @@ import torch
 from ..errors import DeviceMagicError
 from ..kineto.analysis import LineRow
 from ..kineto.events import LINE_PREFIX, Event
+from .line_events import Frames, LineEvents, line_events
 from .recording import Recording
 
 _log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class LineTracer:
                 self.codes[code] = label
         self.names: dict[str, tuple[str, str]] = {}
         self._keys: dict[tuple[str, int], str] = {}
-        self._previous: Any = None
+        self._events: LineEvents | None = None  # while started
         self._previous_threads: Any = None
         self._started: list[int] = []  # one entry per thread started while tracing
         self._range = _range_type()
@@ -90,6 +91,9 @@ class LineTracer:
         self.left_out = False  # the profiler was paused at least once
         self.cuts: list[int | None] = []  # per pause, the outer loop whose steps ran then
         self._innermost: list[int] = []  # per traced frame, the number of its line running
+        # per traced frame: its code's lines -> their numbers, its loops (None: not the
+        # cell's top level), the range of its line open
+        self._frames: list[tuple[dict[int, int], dict[int, int] | None, list[Any]]] = []
         self._since = [0]  # when the last event came (a list: the hot path's closures share it)
         self._header: int | None = None
         self._loop: int | None = None  # the outer loop whose steps run
@@ -218,78 +222,79 @@ class LineTracer:
         self._ids[code][lineno] = i
         return i
 
-    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
-        code = frame.f_code
-        if code.co_filename != self.cell_file and code not in self.codes:
-            return None
-        opened: list[Any] = []
+    def _watched(self, code: CodeType) -> bool:
+        return code.co_filename == self.cell_file or code in self.codes
+
+    def _enter(self, code: CodeType) -> None:
+        """A frame of the watched code starts (or resumes): no line of it runs yet."""
         top = bool(self.loops) and code.co_name == "<module>" and code.co_filename == self.cell_file
         if top:
             self._loop, self._past = None, False  # a run of the cell begins
         self._charge()
-        # the hot path (every line of every step): locals, lists indexed by the line's
-        # number, no call but the clock's where nothing is due
-        enter, names, innermost, hits, wall = (
-            self._range, self._line_names, self._innermost, self._hits, self._wall)
-        since, clock, line_of, loop_of = self._since, time.perf_counter_ns, self._line, (
-            self._loop_of if top else None)
-        ids = self._ids.setdefault(code, {})
-        innermost.append(0)
+        self._innermost.append(0)
+        self._frames.append((self._ids.setdefault(code, {}), self._loop_of if top else None, []))
 
-        def local(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line":
-                lineno = frame.f_lineno
-                try:
-                    i = ids[lineno]
-                except KeyError:
-                    if not lineno:  # line 0: a one-expression cell
-                        return frame.f_trace
-                    i = line_of(frame.f_code, lineno)
-                now = clock()
-                wall[innermost[-1]] += now - since[0]
-                since[0] = now
-                innermost[-1] = i
-                ran = hits[i]
-                hits[i] = ran + 1
-                if opened:
-                    opened.pop().__exit__(None, None, None)
-                # a step's line: its loop's, where no header came before it
-                if loop_of is not None and (
-                        self._header is not None or loop_of.get(lineno) != self._loop):
-                    self._count(lineno)
-                if self._window is not None and (  # a switch is due, or may be
-                        not ran or self._first is not None or self._past == self._recording):
-                    self._switch(len(innermost), not ran)
-                if self._recording:
-                    span = enter(names[i])
-                    span.__enter__()
-                    opened.append(span)
-            elif event == "return":
-                now = clock()
-                wall[innermost.pop()] += now - since[0]
-                since[0] = now
-                if opened:
-                    opened.pop().__exit__(None, None, None)
-            # itself, read from the frame: a closure naming itself would be a reference
-            # cycle holding the tracer (and the recording) until a full collection
-            return frame.f_trace
+    def _hot_path(self) -> Frames:
+        """What runs on every line of every step, and as a frame ends: locals, lists
+        indexed by the line's number, no call but the clock's where nothing is due."""
+        enter, names, innermost, hits, wall, frames = (
+            self._range, self._line_names, self._innermost, self._hits, self._wall, self._frames)
+        since, clock, line_of = self._since, time.perf_counter_ns, self._line
 
-        return local
+        def line(code: CodeType, lineno: int) -> None:
+            ids, loop_of, opened = frames[-1]
+            try:
+                i = ids[lineno]
+            except KeyError:
+                if not lineno:  # line 0: a one-expression cell
+                    return
+                i = line_of(code, lineno)
+            now = clock()
+            wall[innermost[-1]] += now - since[0]
+            since[0] = now
+            innermost[-1] = i
+            ran = hits[i]
+            hits[i] = ran + 1
+            if opened:
+                opened.pop().__exit__(None, None, None)
+            # a step's line: its loop's, where no header came before it
+            if loop_of is not None and (
+                    self._header is not None or loop_of.get(lineno) != self._loop):
+                self._count(lineno)
+            if self._window is not None and (  # a switch is due, or may be
+                    not ran or self._first is not None or self._past == self._recording):
+                self._switch(len(innermost), not ran)
+            if self._recording:
+                span = enter(names[i])
+                span.__enter__()
+                opened.append(span)
+
+        def leave() -> None:
+            opened = frames.pop()[2]
+            now = clock()
+            wall[innermost.pop()] += now - since[0]
+            since[0] = now
+            if opened:
+                opened.pop().__exit__(None, None, None)
+
+        return Frames(self._enter, line, leave)
 
     def start(self) -> None:
-        self._previous = sys.gettrace()
         self._previous_threads = threading.gettrace()
         self._since[0] = time.perf_counter_ns()
-        sys.settrace(self._call)
+        self._events = line_events(self._watched, self._hot_path())
+        self._events.start()
         threading.settrace(self._thread)
 
     def stop(self) -> None:
         if not self._recording:  # paused to the end
             self.paused_ns += time.perf_counter_ns() - self._paused_at
             self._recording = True
-        sys.settrace(self._previous)
+        if self._events is not None:
+            self._events.stop()
+            self._events = None  # its callbacks hold this tracer
         threading.settrace(self._previous_threads)
-        self._previous = self._previous_threads = None
+        self._previous_threads = None
         # a traceback's frames keep their trace function, and so this tracer: not the record
         self._window = None
 

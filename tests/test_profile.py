@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import sys
 
@@ -171,6 +172,20 @@ def test_kinetos_lines_do_not_reach_the_output_but_the_cells_own_do(ip, capfd):
     assert "the cell wrote this" in err
     assert "profiler_start" not in err and "profiler_stop" not in err
     assert "Memory block of unknown size" not in err
+
+
+def test_a_cuda_builds_no_gpu_line_is_kept_out_and_other_lines_pass(capfd):
+    """What torch 2.13's CUDA build printed at its profiler's first stop on a machine with no
+    GPU (seen on the CPU machine, Python 3.12): dropped; any other line passes."""
+    from torch_device_magic.profile.stderr import quiet_stderr
+
+    heard: list[str] = []
+    with quiet_stderr(heard):
+        os.write(2, b"ERROR:2026-12-07 21:00:25 9441:9441 DeviceProperties.cpp:50] "
+                    b"gpuGetDeviceCount failed with code 35\nsomething else\n")
+    err = capfd.readouterr().err
+    assert "gpuGetDeviceCount" not in err and "something else" in err
+    assert "gpuGetDeviceCount" in heard[0]
 
 
 def test_five_captures_of_one_cell_agree(ip):

@@ -167,7 +167,8 @@ class Monitoring:
 
         callbacks = {
             ev.PY_START: started, ev.PY_RESUME: started, ev.PY_THROW: started,
-            ev.LINE: lined, ev.JUMP: jumped, ev.PY_RETURN: ended, ev.PY_YIELD: ended, ev.PY_UNWIND: unwound,
+            ev.LINE: lined, ev.JUMP: jumped,
+            ev.PY_RETURN: ended, ev.PY_YIELD: ended, ev.PY_UNWIND: unwound,
         }
         mon.use_tool_id(tool, TOOL_NAME)
         self._events = list(callbacks)

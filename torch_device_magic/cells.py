@@ -337,7 +337,6 @@ def _augmented(tree: ast.Module) -> tuple[set[str], set[str]]:
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
 
 def _comprehensions_own(tree: ast.AST) -> set[str]:
@@ -351,7 +350,7 @@ def _comprehensions_own(tree: ast.AST) -> set[str]:
         node, bound = todo.pop()
         if isinstance(node, ast.Name):
             (own if node.id in bound else other).add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        elif isinstance(node, _SCOPES):
             other.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             other.update((a.asname or a.name).split(".")[0] for a in node.names)
@@ -370,7 +369,7 @@ def _comprehensions_own(tree: ast.AST) -> set[str]:
                      if child is not first.iter]
             continue
         for field, value in ast.iter_fields(node):
-            if field == "body" and isinstance(node, _SCOPES):
+            if field == "body" and isinstance(node, (*_SCOPES, ast.Lambda)):
                 continue  # a scope of its own in every Python: the table's child
             for child in value if isinstance(value, list) else [value]:
                 if isinstance(child, ast.AST):

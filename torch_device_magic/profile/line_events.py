@@ -108,60 +108,55 @@ class Monitoring:
         assert mon is not None
         tool, ev = self._tool, mon.events
         thread = threading.get_ident()
-        known: dict[CodeType, bool] = {}  # code -> watched (asked once a code)
         watched, ident, disable = self._watched, threading.get_ident, mon.DISABLE
         enter, line, leave = self._frames.enter, self._frames.line, self._frames.leave
-        depth = [0]  # the watched frames running on the thread (a `leave` per `enter`)
-
-        def ours(code: CodeType) -> bool:
-            mine = known.get(code)
-            if mine is None:
-                mine = known[code] = watched(code)
-            return mine
+        # The watched frames running on the thread, innermost last: an event of the
+        # innermost one is the tracer's at the cost of an identity check (a code object's
+        # hash is computed from its contents at every call: never on this path).
+        codes: list[CodeType] = []
 
         def started(code: CodeType, offset: int, *exc: Any) -> Any:
-            if not ours(code):
-                return disable if not exc else None  # a throw cannot be turned off
+            if not watched(code):
+                return None if exc else disable  # a throw cannot be turned off
             if ident() == thread:
-                depth[0] += 1
+                codes.append(code)
                 enter(code)
             return None
 
         def lined(code: CodeType, lineno: int) -> Any:
-            if not ours(code):
-                return disable
-            if ident() == thread and depth[0]:
+            if codes and code is codes[-1] and ident() == thread:
                 line(code, lineno)
-            return None
+                return None
+            return None if watched(code) else disable
 
-        loops: dict[tuple[CodeType, int], int] = {}  # a jump back within a line -> the line
+        # a jump back within a line, by its code's id and offset -> (the code, the line)
+        loops: dict[tuple[int, int], tuple[CodeType, int]] = {}
 
         def jumped(code: CodeType, offset: int, target: int) -> Any:
             # as sys.settrace says it: a jump back to the line it is in runs the line again
             # (a comprehension's next item, a one-line loop's next pass); LINE says the rest
-            lineno = loops.get((code, offset))
-            if lineno is None:
-                if target > offset or not ours(code):
+            seen = loops.get((id(code), offset))
+            if seen is None or seen[0] is not code:
+                if target > offset or not watched(code):
                     return disable
                 lineno = _line_at(code, target)
                 if lineno is None or lineno != _line_at(code, offset):
                     return disable
-                loops[(code, offset)] = lineno
-            if ident() == thread and depth[0]:
-                line(code, lineno)
+                seen = loops[(id(code), offset)] = (code, lineno)
+            if codes and code is codes[-1] and ident() == thread:
+                line(code, seen[1])
             return None
 
         def ended(code: CodeType, offset: int, value: Any) -> Any:
-            if not ours(code):
-                return disable
-            if ident() == thread and depth[0]:
-                depth[0] -= 1
+            if codes and code is codes[-1] and ident() == thread:
+                codes.pop()
                 leave()
-            return None
+                return None
+            return None if watched(code) else disable
 
         def unwound(code: CodeType, offset: int, exc: BaseException) -> Any:
-            if ours(code) and ident() == thread and depth[0]:  # cannot be turned off
-                depth[0] -= 1
+            if codes and code is codes[-1] and ident() == thread:  # cannot be turned off
+                codes.pop()
                 leave()
             return None
 

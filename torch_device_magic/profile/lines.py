@@ -62,6 +62,7 @@ class LineTracer:
         for fn, label in functions:
             for code in _codes(fn.__code__):
                 self.codes[code] = label
+        self._code_ids = {id(code) for code in self.codes}
         self.names: dict[str, tuple[str, str]] = {}
         self._keys: dict[tuple[str, int], str] = {}
         self._events: LineEvents | None = None  # while started
@@ -76,7 +77,9 @@ class LineTracer:
         self._line_names: list[str] = [""]  # its range's name
         self._hits: list[int] = [0]
         self._wall: list[int] = [0]  # ns it was the innermost line
-        self._ids: dict[CodeType, dict[int, int]] = {}  # a code's lines -> their numbers
+        # by a code's id: its code, and its lines -> their numbers (the code kept, so that
+        # no other one takes its id)
+        self._ids: dict[int, tuple[CodeType, dict[int, int]]] = {}
         self._key_ids: dict[tuple[str, int], int] = {}  # (file, line) -> number
         # an outer loop's body lines -> its header; its header -> -1 (never a loop's)
         self._loop_of: dict[int, int] = {n: h for h, body in self.loops.items() for n in body}
@@ -219,11 +222,13 @@ class LineTracer:
             self._line_names.append(name)
             self._hits.append(0)
             self._wall.append(0)
-        self._ids[code][lineno] = i
+        self._ids[id(code)][1][lineno] = i
         return i
 
     def _watched(self, code: CodeType) -> bool:
-        return code.co_filename == self.cell_file or code in self.codes
+        # by id, not by the code (whose hash is computed from its contents at every call):
+        # `codes` keeps the -f functions' code objects, so no other one has their ids
+        return code.co_filename == self.cell_file or id(code) in self._code_ids
 
     def _enter(self, code: CodeType) -> None:
         """A frame of the watched code starts (or resumes): no line of it runs yet."""
@@ -232,7 +237,10 @@ class LineTracer:
             self._loop, self._past = None, False  # a run of the cell begins
         self._charge()
         self._innermost.append(0)
-        self._frames.append((self._ids.setdefault(code, {}), self._loop_of if top else None, []))
+        known = self._ids.get(id(code))
+        if known is None or known[0] is not code:
+            known = self._ids[id(code)] = (code, {})
+        self._frames.append((known[1], self._loop_of if top else None, []))
 
     def _hot_path(self) -> Frames:
         """What runs on every line of every step, and as a frame ends: locals, lists

@@ -5,14 +5,16 @@ test_live_kernel.py and test_live_terminal.py."""
 from __future__ import annotations
 
 import re
+import sys
 import threading
+import time
 
 import pytest
 from fakegpu import GIB, FakeMachine, Gpu, GpuIsLost, loaded_with_gpu
 from IPython.core.error import UsageError
 from pythonpath import ROOT
 
-from torch_device_magic.live import engine, reads, spark
+from torch_device_magic.live import engine, reads, sampler, spark
 from torch_device_magic.live.text import Reading, clock_text, line
 
 LONG = "import time\ntime.sleep(0.35)\nx = 1"
@@ -62,6 +64,51 @@ def test_a_short_cell_draws_nothing(term, capsys):
     term.run_cell("y = 2", store_history=True)
     out = capsys.readouterr().out
     assert "\x1b" not in out and out.startswith("time "), repr(out)
+
+
+def test_a_short_cell_calls_nothing_of_the_live_line(term):
+    """Its cost is a few attribute stores: no function of live/ runs on the cell's thread."""
+    term.run_cell(LONG)  # the thread is started and awake
+    live = term.magics_manager.registry["TorchDeviceMagics"].reporter.live
+    assert live.thread_alive and not live.idle
+    ran: list[str] = []
+
+    def heard(frame, event, arg):
+        if event == "call" and "/torch_device_magic/live/" in frame.f_code.co_filename:
+            ran.append(frame.f_code.co_name)
+
+    sys.setprofile(heard)
+    try:
+        for _ in range(3):
+            term.run_cell("y = 2")
+    finally:
+        sys.setprofile(None)
+    assert ran == [] and term.user_ns["y"] == 2
+
+
+def test_an_idle_thread_sleeps_and_the_next_long_cell_wakes_it(term, capsys, monkeypatch):
+    monkeypatch.setattr(sampler, "IDLE_POLLS", 2)
+    live = term.magics_manager.registry["TorchDeviceMagics"].reporter.live
+    term.run_cell("y = 2")  # starts the thread, which finds no cell after it
+    for _ in range(100):
+        if live.idle:
+            break
+        time.sleep(0.05)
+    assert live.idle and live.thread_alive  # 2 looks of 0.2 s, then asleep
+    capsys.readouterr()
+    term.run_cell(LONG, store_history=True)
+    out = capsys.readouterr().out
+    assert "\r\x1b[2Krunning 0:00 | at line 2: time.sleep(0.35)" in out, repr(out)
+    assert len(live_threads()) == 1 and not live.idle
+
+
+def test_a_delay_made_shorter_is_followed_at_once(term, capsys):
+    term.run_line_magic("config", "TorchDeviceMagics.live_delay = 30")
+    term.run_cell("y = 2")  # the thread now sleeps 30 s between its looks
+    term.run_line_magic("config", "TorchDeviceMagics.live_delay = 0.2")
+    capsys.readouterr()
+    term.run_cell(LONG, store_history=True)
+    assert "\r\x1b[2Krunning 0:00" in capsys.readouterr().out
 
 
 def test_one_thread_for_the_session_stopped_at_unload(term):

@@ -103,7 +103,8 @@ class CellReporter:
         # The notes under the line (advice.notes' `Advisor.notes`), None: no notes.
         self.advise: Callable[[Measurement, Any], tuple[Any, ...]] | None = None
         # The live line under a long cell (live/): replaced by the report at the end.
-        self.live = LiveLine(lambda: self._line_open, self._host_start_bytes)
+        self.live = LiveLine(lambda: self._line_open, self._host_start_bytes,
+                             lambda: self._printing)
         self._live_ended: Ended | None = None
 
     @property
@@ -208,12 +209,12 @@ class CellReporter:
         """Say '(profiled)' in this cell's line (from %%profile), 'profiling' in its live line."""
         if len(self._open) == 1:
             self._profiled = True
-            self.live.label = "profiling"
+            self.live.say("profiling")
 
     def say_live(self, label: str) -> None:
         """What the outermost cell is doing, first in its live line ('comparing 0:12')."""
         if len(self._open) == 1:
-            self.live.label = label
+            self.live.say(label)
 
     def plain_run(
         self, source: str, reads: Collection[str] = ()
@@ -301,7 +302,12 @@ class CellReporter:
                 self._watch_stdout()
             assert self._meter is not None  # registered only with a meter
             self._meter.start()
-            self.live.start(self._shell, self._printing, self._meter.started_s)
+            live = self.live  # the live line's sampler looks at `cell` (no call a cell)
+            if not self._printing:
+                live.on_kernel(self._shell.display_pub)
+            live.cell = self._meter.started_s
+            if live.idle:
+                live.wake()
         except Exception as err:
             _log.debug("starting the measurement failed", exc_info=True)
             self._fault = f"torch_device_magic could not measure: {_describe(err)}"
@@ -331,10 +337,13 @@ class CellReporter:
                 self._note_cuda(result)  # before the hint, which names that cell
             measured = None
             if outermost:
-                try:  # before the report: no tick after it, the line erased
-                    self._live_ended = self.live.stop()
-                except Exception:
-                    _log.debug("stopping the live line failed", exc_info=True)
+                live = self.live
+                live.cell = None  # then, where a tick ran: none after this, the line erased
+                if live.touched is not None:
+                    try:
+                        self._live_ended = live.stop()
+                    except Exception:
+                        _log.debug("stopping the live line failed", exc_info=True)
                 self._unwatch_stdout()
                 try:
                     if self._fault is None and self._meter is not None:

@@ -368,8 +368,9 @@ class CellReporter:
                         measured.notes = self.advise(measured, result)
                     if self._live_ended is not None and self._live_ended.dropped:
                         measured.notes = (*measured.notes, *self._live_ended.dropped)
-                    self._record(measured, result.execution_count,
-                                 isinstance(result.error_in_exec, KeyboardInterrupt))
+                    error = result.error_in_exec  # (no call on a cell that raised nothing)
+                    self._record(measured, result.execution_count, error is not None
+                                 and isinstance(error, KeyboardInterrupt))
             except Exception as err:
                 _log.debug("recording the measurement failed", exc_info=True)
                 self._fault = f"torch_device_magic could not measure: {_describe(err)}"
